@@ -1,0 +1,135 @@
+"""Model configuration: the fields of `transformers.RemBertConfig` plus what the paper ablates.
+
+Presets are the paper's models (Chung et al., 2020, "Rethinking embedding coupling in
+pre-trained language models"): the released RemBERT and the mBERT-sized embedding ablations
+of its Section 4.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 250_300
+    hidden_size: int = 1152
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 18
+    intermediate_size: int = 4608
+    # E_in: width of the input embedding table; projected to hidden_size before layer 0.
+    input_embedding_size: int = 256
+    # E_out: width of the output embedding (MLM decoder), used only in pre-training.
+    output_embedding_size: int = 1664
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    hidden_dropout_prob: float = 0.0
+    attention_probs_dropout_prob: float = 0.0
+    initializer_range: float = 0.02
+    pad_token_id: int = 0
+    # Coupled baselines: the MLM decoder reuses the input embedding table (needs E_in == E_out).
+    tie_embeddings: bool = False
+    # "sdpa" (torch.nn.functional.scaled_dot_product_attention) or "fused_softmax" (Triton).
+    attention_backend: str = "sdpa"
+    # MLM loss: "fused" (chunked linear + cross-entropy, never holds all logits) or
+    # "reference" (logits for all masked tokens, then a vocab-parallel cross-entropy).
+    loss_backend: str = "fused"
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def padded_vocab_size(self, tp: int = 1) -> int:
+        """Vocabulary rounded up to a multiple of 128 x tp (even shards, aligned GEMMs).
+
+        Padded rows never take probability mass: their logits are masked to -inf.
+        """
+        multiple = 128 * tp
+        return -(-self.vocab_size // multiple) * multiple
+
+    def validate(self, tp: int = 1) -> None:
+        """Raise ConfigError naming the field if the config cannot be built at this TP size."""
+        positive = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                    "intermediate_size", "input_embedding_size", "output_embedding_size",
+                    "max_position_embeddings", "type_vocab_size")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if tp < 1:
+            raise ConfigError(f"parallel.tp must be >= 1, got {tp}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                f"model.hidden_size={self.hidden_size} is not divisible by "
+                f"model.num_attention_heads={self.num_attention_heads}; pick a head count "
+                "that divides the hidden size")
+        if self.num_attention_heads % tp:
+            raise ConfigError(
+                f"model.num_attention_heads={self.num_attention_heads} is not divisible by "
+                f"parallel.tp={tp}; each tensor-parallel rank must hold whole heads")
+        if self.intermediate_size % tp:
+            raise ConfigError(
+                f"model.intermediate_size={self.intermediate_size} is not divisible by "
+                f"parallel.tp={tp}")
+        if self.tie_embeddings and self.input_embedding_size != self.output_embedding_size:
+            raise ConfigError(
+                "model.tie_embeddings=true needs model.input_embedding_size == "
+                f"model.output_embedding_size, got {self.input_embedding_size} and "
+                f"{self.output_embedding_size}")
+        if not 0 <= self.pad_token_id < self.vocab_size:
+            raise ConfigError(f"model.pad_token_id={self.pad_token_id} is outside the vocabulary")
+        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"model.{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.attention_backend not in ("sdpa", "fused_softmax"):
+            raise ConfigError(
+                f"model.attention_backend={self.attention_backend!r}: expected 'sdpa' or "
+                "'fused_softmax'")
+        if self.loss_backend not in ("fused", "reference"):
+            raise ConfigError(
+                f"model.loss_backend={self.loss_backend!r}: expected 'fused' or 'reference'")
+
+    def replace(self, **changes) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+
+# The paper's ablation baseline (Section 4): mBERT-sized, 12 layers, H 768, 12 heads, a 120k
+# vocabulary (its exact size is not given), no dropout.
+_MBERT_SIZED = dict(vocab_size=120_000, hidden_size=768, num_hidden_layers=12,
+                    num_attention_heads=12, intermediate_size=3072)
+
+PRESETS: dict[str, ModelConfig] = {
+    # The released RemBERT (transformers' RemBertConfig defaults). E_out = 1664, not the
+    # 1536 of the paper's text: only 1664 reproduces the 995M pre-training parameters.
+    "rembert": ModelConfig(),
+    "coupled": ModelConfig(**_MBERT_SIZED, input_embedding_size=768,
+                           output_embedding_size=768, tie_embeddings=True),
+    "decoupled": ModelConfig(**_MBERT_SIZED, input_embedding_size=768,
+                             output_embedding_size=768),
+    "ein128-eout768": ModelConfig(**_MBERT_SIZED, input_embedding_size=128,
+                                  output_embedding_size=768),
+    "ein768-eout128": ModelConfig(**_MBERT_SIZED, input_embedding_size=768,
+                                  output_embedding_size=128),
+    "ein128-eout128": ModelConfig(**_MBERT_SIZED, input_embedding_size=128,
+                                  output_embedding_size=128),
+    "ein128-eout3072": ModelConfig(**_MBERT_SIZED, input_embedding_size=128,
+                                   output_embedding_size=3072),
+    # ALBERT-style factorised coupled embedding: one 128-wide table used for input and output.
+    "albert-coupled128": ModelConfig(**_MBERT_SIZED, input_embedding_size=128,
+                                     output_embedding_size=128, tie_embeddings=True),
+    # For tests and the CPU demo: 6 heads and FFN 192 divide by tp = 2 and 3.
+    "tiny": ModelConfig(vocab_size=1000, hidden_size=48, num_hidden_layers=2,
+                        num_attention_heads=6, intermediate_size=192, input_embedding_size=16,
+                        output_embedding_size=24, max_position_embeddings=128),
+}
+
+
+def get_preset(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
+    return dataclasses.replace(PRESETS[name])

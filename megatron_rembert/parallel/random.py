@@ -1,0 +1,73 @@
+"""Dropout RNG under tensor parallelism.
+
+Two streams, as in Megatron-LM:
+- the default torch generator, seeded identically on all TP peers, for dropout on replicated
+  activations (hidden states after a row-parallel all-reduce): every peer drops the same units;
+- a per-TP-rank stream, entered with `tp_rng()`, for dropout on sharded activations (attention
+  probabilities of this rank's heads): peers must draw different masks for different heads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from megatron_rembert.parallel import state
+
+# Offset separating the TP stream from the default stream of the same base seed.
+_TP_SEED_OFFSET = 2718
+
+_tp_states: dict[str, torch.Tensor] = {}
+
+
+def _get_state(device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    return torch.get_rng_state()
+
+
+def _set_state(device: torch.device, rng_state: torch.Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(rng_state, device)
+    else:
+        torch.set_rng_state(rng_state)
+
+
+def seed_all(seed: int, device: torch.device | str = "cpu") -> None:
+    """Seed the default stream (same on TP peers) and this rank's TP stream."""
+    device = torch.device(device)
+    torch.manual_seed(seed + _TP_SEED_OFFSET + state.tp_rank())  # seeds CPU and CUDA
+    _tp_states[device.type] = _get_state(device)
+    torch.manual_seed(seed)
+
+
+@contextlib.contextmanager
+def tp_rng(device: torch.device | str = "cpu"):
+    """Run the body on this TP rank's own RNG stream, then return to the default stream."""
+    device = torch.device(device)
+    if device.type not in _tp_states:
+        seed_all(torch.initial_seed(), device)
+    saved = _get_state(device)
+    _set_state(device, _tp_states[device.type])
+    try:
+        yield
+    finally:
+        _tp_states[device.type] = _get_state(device)
+        _set_state(device, saved)
+
+
+def get_rng_states() -> dict:
+    """Everything a checkpoint needs to resume dropout exactly."""
+    out = {"cpu": torch.get_rng_state(), "tp": dict(_tp_states)}
+    if torch.cuda.is_available():
+        out["cuda"] = torch.cuda.get_rng_state()
+    return out
+
+
+def set_rng_states(states: dict) -> None:
+    torch.set_rng_state(states["cpu"])
+    _tp_states.clear()
+    _tp_states.update(states["tp"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])

@@ -1,0 +1,148 @@
+"""Process groups for a (pp, dp, tp) layout, tensor-parallel ranks adjacent.
+
+Global rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank: the order of DeepSpeed's
+`PipeModelDataParallelTopology` (axes pipe, data, model; model fastest), so our groups, the
+pipeline engine and ZeRO agree on who is who. Tensor-parallel peers are adjacent ranks, i.e.
+on one node when tp <= GPUs per node.
+
+The state is a module-level singleton, as in Megatron-LM: layers ask for the TP group when they
+run. Without `initialize_model_parallel` everything is a single process (tp = pp = dp = 1) and
+every collective is the identity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+
+@dataclass
+class ParallelState:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    tp_rank: int = 0
+    pp_rank: int = 0
+    dp_rank: int = 0
+    tp_group: object = None
+    pp_group: object = None
+    dp_group: object = None
+    # Ranks of the whole model replica (tp x pp) this rank belongs to.
+    model_group: object = None
+
+
+_STATE = ParallelState()
+
+
+def layout_rank(pp_rank: int, dp_rank: int, tp_rank: int, dp: int, tp: int) -> int:
+    return (pp_rank * dp + dp_rank) * tp + tp_rank
+
+
+def layout_coords(rank: int, dp: int, tp: int) -> tuple[int, int, int]:
+    """(pp_rank, dp_rank, tp_rank) of a global rank."""
+    return rank // (dp * tp), (rank // tp) % dp, rank % tp
+
+
+def initialize_model_parallel(tp: int = 1, pp: int = 1) -> ParallelState:
+    """Build the TP, PP, DP and model groups over the default process group; every rank calls it."""
+    global _STATE
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if tp < 1 or pp < 1 or world % (tp * pp):
+        raise ValueError(
+            f"world size {world} is not divisible by parallel.tp x parallel.pp = {tp} x {pp}; "
+            "choose tp and pp whose product divides the number of processes")
+    dp = world // (tp * pp)
+    if world == 1:
+        _STATE = ParallelState()
+        return _STATE
+    rank = dist.get_rank()
+    pp_rank, dp_rank, tp_rank = layout_coords(rank, dp, tp)
+    state = ParallelState(tp=tp, pp=pp, dp=dp, tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank)
+    # new_group is collective: every rank creates every group, in the same order.
+    for p in range(pp):
+        for d in range(dp):
+            ranks = [layout_rank(p, d, t, dp, tp) for t in range(tp)]
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                state.tp_group = group
+    for p in range(pp):
+        for t in range(tp):
+            ranks = [layout_rank(p, d, t, dp, tp) for d in range(dp)]
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                state.dp_group = group
+    for d in range(dp):
+        for t in range(tp):
+            ranks = [layout_rank(p, d, t, dp, tp) for p in range(pp)]
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                state.pp_group = group
+    for d in range(dp):
+        ranks = [layout_rank(p, d, t, dp, tp) for p in range(pp) for t in range(tp)]
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            state.model_group = group
+    _STATE = state
+    return state
+
+
+def destroy_model_parallel() -> None:
+    global _STATE
+    _STATE = ParallelState()
+
+
+def get_state() -> ParallelState:
+    return _STATE
+
+
+def tp_size() -> int:
+    return _STATE.tp
+
+
+def tp_rank() -> int:
+    return _STATE.tp_rank
+
+
+def tp_group():
+    return _STATE.tp_group
+
+
+class DeepSpeedMPU:
+    """The `mpu` object DeepSpeed asks for: TP is its "model parallel" axis.
+
+    DeepSpeed uses it for gradient-norm reduction across TP (counting TP-replicated
+    parameters once) and for naming checkpoint files by TP rank.
+    """
+
+    def get_model_parallel_rank(self) -> int:
+        return _STATE.tp_rank
+
+    def get_model_parallel_world_size(self) -> int:
+        return _STATE.tp
+
+    def get_model_parallel_group(self):
+        return _STATE.tp_group
+
+    def get_data_parallel_rank(self) -> int:
+        return _STATE.dp_rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return _STATE.dp
+
+    def get_data_parallel_group(self):
+        return _STATE.dp_group
+
+    def get_pipe_parallel_rank(self) -> int:
+        return _STATE.pp_rank
+
+    def get_pipe_parallel_world_size(self) -> int:
+        return _STATE.pp
+
+    def get_pipe_parallel_group(self):
+        return _STATE.pp_group
+
+    # DeepSpeed's names for the same things in some code paths.
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_group = get_model_parallel_group
