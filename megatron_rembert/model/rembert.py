@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from megatron_rembert.config import ModelConfig
 from megatron_rembert.model.embeddings import RemBertEmbeddings
@@ -16,6 +17,7 @@ from megatron_rembert.model.mlm_head import MLMHead, MLMLoss, gather_positions
 from megatron_rembert.model.transformer import TransformerLayer
 from megatron_rembert.parallel import state
 from megatron_rembert.parallel.layers import init_weights
+from megatron_rembert.parallel.random import checkpoint_safe
 
 
 class Pooler(nn.Module):
@@ -38,6 +40,8 @@ class RemBertModel(nn.Module):
         self.layers = nn.ModuleList(TransformerLayer(config)
                                     for _ in range(config.num_hidden_layers))
         self.pooler = Pooler(config) if add_pooler else None
+        # Recompute each layer in backward instead of storing its activations.
+        self.activation_checkpointing = False
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None, output_hidden_states: bool = False):
@@ -52,7 +56,10 @@ class RemBertModel(nn.Module):
         x = self.embeddings(input_ids, token_type_ids)
         states = [x]
         for layer in self.layers:
-            x = layer(x, key_mask)
+            if self.activation_checkpointing and self.training:
+                x = checkpoint(checkpoint_safe(layer), x, key_mask, use_reentrant=False)
+            else:
+                x = layer(x, key_mask)
             states.append(x)
         return states if output_hidden_states else x
 

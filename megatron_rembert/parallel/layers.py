@@ -1,6 +1,6 @@
 """Megatron-style tensor-parallel layers and layout-independent initialisation.
 
-Every parameter that is split across TP ranks carries two attributes:
+Every parameter made here carries two attributes:
 - `tp_split_dim`: the dimension split across ranks (0 or 1), or None when replicated;
 - `full_shape`: the shape of the whole (unsplit) tensor.
 Vocabulary tables also carry `vocab_rows`: the real vocabulary size; rows past it are padding.
@@ -29,6 +29,9 @@ def _split_param(full_shape: tuple[int, ...], split_dim: int | None) -> nn.Param
     param = nn.Parameter(torch.empty(shape))
     param.tp_split_dim = split_dim
     param.full_shape = tuple(full_shape)
+    # DeepSpeed's gradient-norm code counts parameters with this flag on every TP rank and
+    # the others (replicated on the TP ranks) once.
+    param.tensor_model_parallel = split_dim is not None
     return param
 
 

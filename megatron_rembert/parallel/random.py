@@ -71,3 +71,27 @@ def set_rng_states(states: dict) -> None:
     _tp_states.update(states["tp"])
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state(states["cuda"])
+
+
+def checkpoint_safe(fn):
+    """Wrap a function for activation checkpointing so that its recomputation in backward
+    replays the TP stream's dropout masks and leaves the stream where it was.
+
+    torch.utils.checkpoint restores the default generator itself; the TP stream lives outside
+    it, so it is snapshotted here.
+    """
+    snapshot = {k: v.clone() for k, v in _tp_states.items()}
+    calls = 0
+
+    def run(*args):
+        nonlocal calls
+        current = {k: v.clone() for k, v in _tp_states.items()}
+        _tp_states.update({k: v.clone() for k, v in snapshot.items()})
+        out = fn(*args)
+        if calls:  # a recomputation: the stream goes on from where the real forward left it
+            _tp_states.clear()
+            _tp_states.update(current)
+        calls += 1
+        return out
+
+    return run

@@ -53,7 +53,7 @@ def initialize_model_parallel(tp: int = 1, pp: int = 1) -> ParallelState:
             f"world size {world} is not divisible by parallel.tp x parallel.pp = {tp} x {pp}; "
             "choose tp and pp whose product divides the number of processes")
     dp = world // (tp * pp)
-    if world == 1:
+    if not dist.is_initialized():
         _STATE = ParallelState()
         return _STATE
     rank = dist.get_rank()

@@ -46,10 +46,16 @@ def _tp_worker(rank, world_size, config, batch):
     return result if rank == 0 else None
 
 
-@pytest.mark.parametrize("loss_backend", ["reference", "fused"])
-@pytest.mark.parametrize("tp", [2, 3])
-def test_tp_matches_single_process(tp, loss_backend):
-    config = small_config(loss_backend=loss_backend)
+@pytest.mark.parametrize("tp, changes", [
+    (2, dict(loss_backend="reference")),
+    (3, dict(loss_backend="reference")),
+    (2, dict(loss_backend="fused")),
+    (3, dict(loss_backend="fused")),
+    # Coupled baseline: the decoder reuses the vocab-parallel input table.
+    (2, dict(loss_backend="fused", output_embedding_size=16, tie_embeddings=True)),
+])
+def test_tp_matches_single_process(tp, changes):
+    config = small_config(**changes)
     batch = random_batch(config)
     loss, correct, weights, grads = train_step(config, batch)
     tp_loss, tp_correct, tp_weights, tp_grads = run_distributed(_tp_worker, tp, config, batch)[0]

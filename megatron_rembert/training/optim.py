@@ -1,0 +1,99 @@
+"""Optimizer, learning-rate schedule and the DeepSpeed config dict, all from our Config."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from megatron_rembert.config import ConfigError
+from megatron_rembert.training.config import Config
+
+# Keys of the DeepSpeed config that our Config owns: a ds_config JSON may not set them.
+_OWNED_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu",
+               "gradient_accumulation_steps", "optimizer", "scheduler", "gradient_clipping")
+
+
+def deepspeed_config(config: Config, dp: int) -> dict:
+    """The DeepSpeed config dict: the optional JSON's knobs plus every number from our Config."""
+    ds: dict = {}
+    if config.parallel.ds_config:
+        path = Path(config.parallel.ds_config)
+        if not path.is_file():
+            raise ConfigError(f"parallel.ds_config={path}: no such file")
+        try:
+            ds = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"parallel.ds_config={path}: not valid JSON ({err})") from err
+        owned = [k for k in _OWNED_KEYS if k in ds]
+        if owned:
+            raise ConfigError(f"{path} sets {owned}: these come from our config (train.*, "
+                              "optim.*); remove them from the JSON")
+    train = config.train
+    gas = train.global_batch_size // (train.micro_batch_size * dp)
+    ds.update(train_batch_size=train.global_batch_size,
+              train_micro_batch_size_per_gpu=train.micro_batch_size,
+              gradient_accumulation_steps=gas,
+              gradient_clipping=config.optim.clip_grad,
+              steps_per_print=10**9)  # our own logging replaces DeepSpeed's
+    ds.setdefault("bf16", {})["enabled"] = train.precision == "bf16"
+    ds.setdefault("fp16", {})["enabled"] = train.precision == "fp16"
+    ds.setdefault("zero_optimization", {})["stage"] = config.parallel.zero_stage
+    if train.precision == "bf16" and config.parallel.zero_stage == 0:
+        # Keep fp32 master weights and gradient accumulation even without ZeRO.
+        ds.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
+    return ds
+
+
+def _no_decay(name: str, param: nn.Parameter) -> bool:
+    # BERT convention: no weight decay on biases and LayerNorm parameters.
+    return param.ndim == 1 or name.endswith(".bias")
+
+
+def build_optimizer(model: nn.Module, config: Config) -> torch.optim.Optimizer:
+    optim = config.optim
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            (no_decay if _no_decay(name, param) else decay).append(param)
+    groups = [{"params": decay, "weight_decay": optim.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    betas = (optim.beta1, optim.beta2)
+    on_gpu = any(p.is_cuda for p in decay)
+    if optim.name == "lamb":
+        if not on_gpu:
+            raise ConfigError("optim.name=lamb needs a GPU (DeepSpeed's FusedLamb); use adamw")
+        from deepspeed.ops.lamb import FusedLamb
+
+        return FusedLamb(groups, lr=optim.lr, betas=betas, eps=optim.eps)
+    # torch's fused AdamW on GPU: the same single multi-tensor kernel as DeepSpeed's or apex's
+    # FusedAdam, without a CUDA extension to build on the cluster.
+    return torch.optim.AdamW(groups, lr=optim.lr, betas=betas, eps=optim.eps,
+                             fused=True if on_gpu else None)
+
+
+def lr_lambda(config: Config):
+    """Multiplier of optim.lr at a step: linear warm-up, then the chosen decay to min_lr."""
+    optim, total = config.optim, config.train.steps
+    floor = optim.min_lr / optim.lr if optim.lr else 0.0
+
+    def multiplier(step: int) -> float:
+        if step < optim.warmup_steps:
+            return (step + 1) / optim.warmup_steps
+        if optim.decay == "constant":
+            return 1.0
+        progress = min(1.0, (step - optim.warmup_steps) / max(1, total - optim.warmup_steps))
+        if optim.decay == "linear":
+            shape = 1.0 - progress
+        else:
+            shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return floor + (1.0 - floor) * shape
+
+    return multiplier
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, config: Config):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
