@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_rembert.config import ModelConfig
+from megatron_rembert.kernels.softmax import fused_scale_mask_softmax
 from megatron_rembert.parallel import state
 from megatron_rembert.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron_rembert.parallel.mappings import copy_to_tp
@@ -54,8 +55,6 @@ class SelfAttention(nn.Module):
                 ctx = F.scaled_dot_product_attention(
                     q, k, v, attn_mask=key_mask[:, None, None, :], dropout_p=dropout_p)
             else:
-                from megatron_rembert.kernels.softmax import fused_scale_mask_softmax
-
                 scores = q @ k.transpose(-1, -2)  # B x h x S x S
                 probs = fused_scale_mask_softmax(scores, key_mask, 1.0 / math.sqrt(self.head_dim))
                 ctx = F.dropout(probs, dropout_p) @ v  # B x h x S x d

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_rembert.kernels.cross_entropy import linear_cross_entropy
 from megatron_rembert.parallel.mappings import all_reduce_
 
 
@@ -85,8 +86,6 @@ def fused_vocab_parallel_linear_cross_entropy(
     caller wraps it in `copy_to_tp`); weight: V_local x E; bias: V_local; targets: N global ids;
     weights: N (rows with 0 are skipped). Returns (losses N fp32, correct N bool).
     """
-    from megatron_rembert.kernels.cross_entropy import linear_cross_entropy
-
     return linear_cross_entropy(hidden, weight, bias, targets, weights, vocab_start=vocab_start,
                                 n_valid=n_valid, reduce_max=_reduce_max, reduce_sum=_reduce_sum,
                                 chunk_size=chunk_size)

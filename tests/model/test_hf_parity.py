@@ -21,9 +21,10 @@ def _hf_model(config):
     return hf.eval()
 
 
-@pytest.mark.parametrize("loss_backend", ["reference", "fused"])
-def test_same_hidden_states_logits_and_loss(loss_backend):
-    config = small_config(loss_backend=loss_backend)
+@pytest.mark.parametrize("loss_backend, attention_backend", [
+    ("reference", "sdpa"), ("fused", "sdpa"), ("fused", "fused_softmax")])
+def test_same_hidden_states_logits_and_loss(loss_backend, attention_backend):
+    config = small_config(loss_backend=loss_backend, attention_backend=attention_backend)
     hf = _hf_model(config)
     ours = RemBertForPreTraining(config).eval()
     ours.load_state_dict(from_hf_state_dict(hf.state_dict(), config))

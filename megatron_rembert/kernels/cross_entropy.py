@@ -1,0 +1,293 @@
+"""MLM output layer fused with softmax cross-entropy, for ONE vocabulary shard.
+
+    logits = hidden @ weight.T + bias            (never held for all rows at once)
+    loss_i = logsumexp_global(logits_i) - logits_i[target_i]
+
+Forward, per chunk of `chunk_size` rows (only rows with weight != 0 are processed):
+  1. logits chunk by one matmul in the input dtype (BLAS accumulates in fp32);
+  2. a Triton kernel (or its torch reference) reads it once and writes per row the shard max
+     m_r, the sum-exp s_r relative to m_r, and the target logit t_r (0 if not in the shard).
+Then, once per call, the cross-shard combination through the injected callables:
+     M = reduce_max(m);  [S, T] = reduce_sum([s * exp(m - M), t]);  lse = log S + M
+That is 2 collectives per call, whatever N, on 1 x N_act and 2 x N_act fp32 tensors.
+Backward recomputes each chunk's logits, overwrites them in place with
+grad_out * (softmax - onehot) (a second kernel), and accumulates grad_hidden, grad_weight,
+grad_bias chunk by chunk. Saved for backward: the active rows of hidden, weight, bias,
+targets and the per-row global logsumexp, nothing logits-sized. No collective in backward:
+grad_hidden is this shard's contribution; the caller all-reduces it over tensor parallel.
+
+Columns >= n_valid of the shard are vocabulary padding: -inf logits, zero probability.
+See docs/kernels.md for the memory math.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+try:  # triton is optional: the torch path must work where it is missing (e.g. macOS)
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only on machines without triton
+    triton = None
+
+Reduce = Callable[[torch.Tensor], None]  # in-place all-reduce over the tensor-parallel group
+
+# Default memory budget of one logits chunk, in elements: 2^25 = 128 MiB in fp32 (64 MiB in
+# bf16). With V_local = 250,300 that is 128 rows per chunk (rounded down to a multiple of
+# ROW_MULTIPLE), whose matmul (128 x 1664 x 250k) is still large enough to run at full speed.
+CHUNK_ELEMENTS = 2**25
+ROW_MULTIPLE = 16  # chunk rows rounded to a multiple of 16 for tensor-core friendly matmuls
+# Column tile of the Triton kernels: each program loops over its row in tiles of this width.
+BLOCK_V_MAX = 4096
+# Stand-in for -inf as the running max of a row with no valid column yet: keeps
+# exp(m_old - m_new) finite (exp(-inf - -inf) would be NaN) and still exp(x - NEG_BIG) = 0.
+NEG_BIG = -1e30
+
+if triton is not None:
+
+    @triton.jit
+    def _ce_stats_kernel(
+        logits_ptr, stride, targets_ptr, max_ptr, sumexp_ptr, target_logit_ptr,
+        vocab_start, n_valid, BLOCK_V: tl.constexpr,
+    ):
+        """Per row: online max / sum-exp over the valid columns, and the target logit."""
+        row = tl.program_id(0).to(tl.int64)
+        target = tl.load(targets_ptr + row) - vocab_start  # local column of the target
+        row_max = tl.full((), NEG_BIG, tl.float32)
+        sumexp = tl.zeros((), tl.float32)
+        target_logit = tl.zeros((), tl.float32)
+        for start in range(0, n_valid, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            valid = cols < n_valid
+            x = tl.load(logits_ptr + row * stride + cols, mask=valid, other=float("-inf"))
+            x = x.to(tl.float32)
+            new_max = tl.maximum(row_max, tl.max(x, axis=0))
+            sumexp = sumexp * tl.exp(row_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
+            row_max = new_max
+            target_logit += tl.sum(tl.where(valid & (cols == target), x, 0.0), axis=0)
+        tl.store(max_ptr + row, row_max)
+        tl.store(sumexp_ptr + row, sumexp)
+        tl.store(target_logit_ptr + row, target_logit)
+
+    @triton.jit
+    def _ce_grad_kernel(
+        logits_ptr, stride, targets_ptr, lse_ptr, grad_out_ptr,
+        vocab_start, n_valid, n_cols, BLOCK_V: tl.constexpr,
+    ):
+        """Overwrite a row of logits with grad_out * (softmax - onehot); padding gets 0."""
+        row = tl.program_id(0).to(tl.int64)
+        target = tl.load(targets_ptr + row) - vocab_start
+        lse = tl.load(lse_ptr + row)
+        g = tl.load(grad_out_ptr + row)
+        for start in range(0, n_cols, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            in_row = cols < n_cols
+            x = tl.load(logits_ptr + row * stride + cols, mask=in_row, other=0.0)
+            p = tl.where(cols < n_valid, tl.exp(x.to(tl.float32) - lse), 0.0)
+            p = tl.where((cols == target) & (cols < n_valid), p - 1.0, p)
+            out = (p * g).to(logits_ptr.dtype.element_ty)
+            tl.store(logits_ptr + row * stride + cols, out, mask=in_row)
+
+
+# ---------------------------------------------------------------- per-chunk ops: torch
+def chunk_stats_torch(
+    logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, n_valid: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference of the stats kernel. logits: C x V_local; targets: C global ids.
+
+    Returns fp32 (max, sum-exp relative to max, target logit or 0), each of length C.
+    """
+    C = logits.shape[0]
+    x = logits[:, :n_valid].float()  # C x n_valid
+    if n_valid == 0:  # a shard made only of padding: no mass, no target
+        zeros = x.new_zeros(C)  # C
+        return x.new_full((C,), NEG_BIG), zeros, zeros.clone()
+    row_max = x.amax(dim=1).clamp(min=NEG_BIG)  # C
+    sumexp = (x - row_max[:, None]).exp_().sum(dim=1)  # C (one C x n_valid temporary)
+    local = targets - vocab_start  # C
+    in_shard = (local >= 0) & (local < n_valid)  # C
+    picked = x.gather(1, local.clamp(0, n_valid - 1)[:, None]).squeeze(1)  # C
+    return row_max, sumexp, torch.where(in_shard, picked, torch.zeros_like(picked))
+
+
+def chunk_grad_torch_(
+    logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor,
+    vocab_start: int, n_valid: int,
+) -> None:
+    """Reference of the gradient kernel: logits (C x V_local) <- g * (softmax - onehot)."""
+    p = logits.float()  # C x V_local, fp32: logits itself when fp32, else one copy
+    p.sub_(lse[:, None]).exp_()
+    p[:, n_valid:] = 0.0
+    local = targets - vocab_start  # C
+    rows = torch.nonzero((local >= 0) & (local < n_valid)).squeeze(1)  # rows owning the target
+    p[rows, local[rows]] -= 1.0
+    logits.copy_(p.mul_(grad_out[:, None]))
+
+
+# ---------------------------------------------------------------- per-chunk ops: Triton
+def _block_v(n: int) -> int:
+    return max(16, min(BLOCK_V_MAX, triton.next_power_of_2(max(n, 1))))
+
+
+def chunk_stats_triton(logits, targets, vocab_start, n_valid):  # noqa: ANN001, ANN201
+    C = logits.shape[0]
+    out = torch.empty(3, C, dtype=torch.float32, device=logits.device)  # 3 x C
+    if C:
+        _ce_stats_kernel[(C,)](
+            logits, logits.stride(0), targets, out[0], out[1], out[2], vocab_start, n_valid,
+            BLOCK_V=_block_v(n_valid), num_warps=8,
+        )
+    return out[0], out[1], out[2]
+
+
+def chunk_grad_triton_(logits, targets, lse, grad_out, vocab_start, n_valid):  # noqa: ANN001
+    C, V = logits.shape
+    if C:
+        _ce_grad_kernel[(C,)](
+            logits, logits.stride(0), targets, lse, grad_out, vocab_start, n_valid, V,
+            BLOCK_V=_block_v(V), num_warps=8,
+        )
+
+
+# ---------------------------------------------------------------- autograd Function
+def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """C x E @ (V_local x E).T (+ bias) -> C x V_local in the input dtype."""
+    return torch.addmm(bias, h, weight.t()) if bias is not None else h @ weight.t()
+
+
+def default_chunk_size(v_local: int, budget: int = CHUNK_ELEMENTS) -> int:
+    """Rows per chunk so that one logits chunk holds at most `budget` elements."""
+    rows = budget // max(v_local, 1)
+    return max(1, rows // ROW_MULTIPLE * ROW_MULTIPLE if rows >= ROW_MULTIPLE else rows)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, weights, vocab_start, n_valid,  # noqa: ANN001
+                reduce_max, reduce_sum, chunk, use_triton):
+        stats = chunk_stats_triton if use_triton else chunk_stats_torch
+        active = torch.nonzero(weights != 0).squeeze(1)  # N_act, rows that carry loss
+        h = hidden.index_select(0, active)  # N_act x E
+        tgt = targets.index_select(0, active)  # N_act
+        n_act = h.shape[0]
+        row_max = torch.empty(n_act, dtype=torch.float32, device=h.device)  # N_act
+        sums = torch.empty(2, n_act, dtype=torch.float32, device=h.device)  # 2 x N_act
+        for lo in range(0, n_act, chunk):
+            hi = min(lo + chunk, n_act)
+            m, s, t = stats(_logits(h[lo:hi], weight, bias), tgt[lo:hi], vocab_start, n_valid)
+            row_max[lo:hi], sums[0, lo:hi], sums[1, lo:hi] = m, s, t
+        local_max = row_max.clone()  # N_act
+        if reduce_max is not None:
+            reduce_max(row_max)  # row_max is now the global max M
+        sums[0] *= torch.exp(local_max - row_max)  # s_r rescaled to the global max
+        if reduce_sum is not None:
+            reduce_sum(sums)  # [S, target logit] summed over shards
+        lse = torch.log(sums[0]) + row_max  # N_act, global logsumexp
+        losses = torch.zeros(hidden.shape[0], dtype=torch.float32, device=h.device)  # N
+        losses[active] = lse - sums[1]
+        correct = torch.zeros(hidden.shape[0], dtype=torch.bool, device=h.device)  # N
+        correct[active] = sums[1] >= row_max
+        ctx.save_for_backward(h, weight, bias, tgt, lse, active)
+        ctx.meta = (hidden.shape, vocab_start, n_valid, chunk, use_triton)
+        ctx.mark_non_differentiable(correct)
+        return losses, correct
+
+    @staticmethod
+    def backward(ctx, grad_losses, _grad_correct):  # noqa: ANN001
+        h, weight, bias, tgt, lse, active = ctx.saved_tensors
+        hidden_shape, vocab_start, n_valid, chunk, use_triton = ctx.meta
+        grad_rows = chunk_grad_triton_ if use_triton else chunk_grad_torch_
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        g = grad_losses.index_select(0, active).float().contiguous()  # N_act
+        grad_h = torch.empty_like(h) if need_h else None  # N_act x E
+        # accumulated in the weight's dtype across chunks (each matmul accumulates in fp32)
+        grad_w = torch.zeros_like(weight) if need_w else None  # V_local x E
+        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=h.device) \
+            if need_b else None  # V_local, fp32
+        for lo in range(0, h.shape[0], chunk):
+            hi = min(lo + chunk, h.shape[0])
+            h_c = h[lo:hi]  # C x E
+            dlogits = _logits(h_c, weight, bias)  # C x V_local, overwritten below
+            grad_rows(dlogits, tgt[lo:hi], lse[lo:hi], g[lo:hi], vocab_start, n_valid)
+            if need_h:
+                torch.mm(dlogits, weight, out=grad_h[lo:hi])
+            if need_w:
+                grad_w.addmm_(dlogits.t(), h_c)
+            if need_b:
+                grad_b += dlogits.sum(dim=0, dtype=torch.float32)
+        grad_hidden = None
+        if need_h:
+            grad_hidden = h.new_zeros(hidden_shape).index_copy_(0, active, grad_h)  # N x E
+        if need_b:
+            grad_b = grad_b.to(bias.dtype)
+        return grad_hidden, grad_w, grad_b, *([None] * 8)
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    vocab_start: int,
+    n_valid: int,
+    reduce_max: Reduce | None = None,
+    reduce_sum: Reduce | None = None,
+    chunk_size: int | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row softmax cross-entropy of `hidden @ weight.T + bias` over the global vocabulary.
+
+    Args:
+        hidden: N x E hidden states of the masked positions (fp32 / bf16 / fp16), identical on
+            every rank of the tensor-parallel group.
+        weight: V_local x E, this shard's rows vocab_start .. vocab_start + V_local of the
+            padded output embedding; same dtype as hidden.
+        bias: V_local or None.
+        targets: N int64 GLOBAL vocabulary ids (valid ids wherever weights != 0).
+        weights: N float; rows with weight 0 are skipped (loss 0, gradient 0, not correct).
+        vocab_start: first global id of this shard.
+        n_valid: columns n_valid .. V_local of this shard are padding (never take mass).
+        reduce_max / reduce_sum: in-place all-reduce callables over the tensor-parallel group;
+            None = single shard. Called exactly once each per forward, on an N_act and a
+            2 x N_act fp32 tensor. Every rank must pass the same `weights`.
+        chunk_size: rows per chunk; default `default_chunk_size(V_local)` (2^25 elements).
+        backend: "auto" (CUDA -> Triton, CPU -> torch), "triton" or "torch".
+
+    Returns:
+        losses: N fp32, per-row cross-entropy (0 where weight is 0).
+        correct: N bool, target logit >= global max logit and weight > 0.
+    The caller reduces `(losses * weights).sum()`; backward returns this shard's contribution
+    to grad_hidden (to be all-reduced over TP by the caller), grad_weight and grad_bias.
+    """
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    use_triton = backend == "triton" or (
+        backend == "auto" and hidden.is_cuda and triton is not None
+    )
+    if use_triton and triton is None:
+        raise RuntimeError("backend='triton' needs the triton package; use backend='torch'")
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"expected hidden N x E and weight V_local x E, got {tuple(hidden.shape)} "
+            f"and {tuple(weight.shape)}"
+        )
+    if hidden.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
+        raise ValueError(
+            f"hidden, weight and bias must share one dtype, got {hidden.dtype}, "
+            f"{weight.dtype}, {None if bias is None else bias.dtype}; cast them first"
+        )
+    if not 0 <= n_valid <= weight.shape[0]:
+        raise ValueError(f"n_valid must be in [0, V_local={weight.shape[0]}], got {n_valid}")
+    if targets.shape != (hidden.shape[0],) or weights.shape != (hidden.shape[0],):
+        raise ValueError(f"targets and weights must have shape ({hidden.shape[0]},)")
+    chunk = chunk_size or default_chunk_size(weight.shape[0])
+    if chunk < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    return _LinearCrossEntropy.apply(
+        hidden, weight.contiguous(), bias, targets.long(), weights, int(vocab_start),
+        int(n_valid), reduce_max, reduce_sum, int(chunk), use_triton,
+    )

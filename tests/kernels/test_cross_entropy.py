@@ -1,0 +1,129 @@
+"""linear_cross_entropy on one shard: Triton (interpreter) and torch paths against
+F.cross_entropy on full logits, values and every gradient, fp32 and bf16, odd shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_rembert.kernels import cross_entropy as ce
+from tests.kernels.ce_oracle import TOL, full_logits_reference, make_inputs
+
+
+def run_ours(inp: dict, n_valid: int, backend: str, chunk_size: int | None, **kw):  # noqa: ANN003, ANN201
+    h = inp["hidden"].clone().requires_grad_()
+    w = inp["weight"].clone().requires_grad_()
+    b = inp["bias"].clone().requires_grad_() if inp["bias"] is not None else None
+    losses, correct = ce.linear_cross_entropy(
+        h, w, b, inp["targets"], inp["weights"], vocab_start=0, n_valid=n_valid,
+        chunk_size=chunk_size, backend=backend, **kw,
+    )
+    (losses * inp["grad_out"]).sum().backward()
+    return losses.detach(), correct, [h.grad, w.grad, None if b is None else b.grad]
+
+
+def assert_matches(ours, ref, dtype) -> None:  # noqa: ANN001
+    atol, rtol = TOL[dtype]
+    (l1, c1, g1), (l2, c2, g2) = ours, ref
+    assert l1.dtype == torch.float32 and c1.dtype == torch.bool
+    torch.testing.assert_close(l1, l2, atol=atol, rtol=rtol)
+    assert torch.equal(c1, c2)
+    for a, b in zip(g1, g2, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.dtype == dtype
+            torch.testing.assert_close(a.float(), b.float(), atol=atol, rtol=rtol)
+
+
+# (N, E, V_local, n_valid, chunk_size): V not a multiple of the block, N not a multiple of the
+# chunk, N = 1, V > one 4096-column tile, chunk larger than N, default chunk.
+SHAPES = [
+    (37, 16, 300, 290, 10),
+    (1, 8, 5, 5, None),
+    (6, 8, 4100, 4097, 4),
+    (9, 24, 130, 100, 64),
+]
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_matches_full_logits(backend: str, dtype: torch.dtype, shape: tuple) -> None:
+    n, e, v, n_valid, chunk = shape
+    inp = make_inputs(n, e, v, n_valid, dtype, bias=n % 2 == 1, seed=n + v)
+    ref = full_logits_reference(**inp, n_valid=n_valid)
+    ours = run_ours(inp, n_valid, backend, chunk)
+    assert_matches(ours, ref, dtype)
+    assert (ours[0][inp["weights"] == 0] == 0).all()
+    assert (ours[2][0][inp["weights"] == 0] == 0).all()  # no gradient from weight-0 rows
+    assert (ours[2][1][n_valid:] == 0).all()  # padding columns take no gradient
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_equals_torch_reference(dtype: torch.dtype) -> None:
+    inp = make_inputs(21, 16, 333, 321, dtype, bias=True, seed=5)
+    a = run_ours(inp, 321, "triton", 8)
+    b = run_ours(inp, 321, "torch", 8)
+    assert_matches(a, b, dtype)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_row_max_in_a_later_tile(backend: str) -> None:
+    """The online max/sum-exp must rescale when a later 4096-column tile holds the max."""
+    inp = make_inputs(5, 8, 4200, 4150, torch.float32, bias=True, seed=3)
+    inp["bias"][4096:4150] += 6.0  # the max of every row lies in the second tile
+    inp["targets"][inp["weights"] != 0] = 4100  # ...and so does the target
+    ref = full_logits_reference(**inp, n_valid=4150)
+    assert_matches(run_ours(inp, 4150, backend, 3), ref, torch.float32)
+
+
+def test_all_rows_weight_zero() -> None:
+    inp = make_inputs(4, 8, 50, 50, torch.float32, bias=True, zero_frac=1.1)
+    losses, correct, grads = run_ours(inp, 50, "triton", 2)
+    assert (losses == 0).all() and not correct.any()
+    assert all((g == 0).all() for g in grads)
+
+
+def test_chunks_bound_the_logits(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[int] = []
+    real = ce._logits
+
+    def spy(h, w, b):  # noqa: ANN001, ANN202
+        seen.append(h.shape[0])
+        return real(h, w, b)
+
+    monkeypatch.setattr(ce, "_logits", spy)
+    inp = make_inputs(23, 8, 40, 40, torch.float32, bias=False, zero_frac=0.0)
+    run_ours(inp, 40, "torch", 5)
+    # 5 chunks (5,5,5,5,3) in forward, the same 5 recomputed in backward
+    assert seen == [5, 5, 5, 5, 3] * 2
+
+
+def test_two_collectives_per_forward_none_in_backward() -> None:
+    calls: list[tuple[str, tuple]] = []
+    inp = make_inputs(30, 8, 64, 60, torch.float32, bias=True, zero_frac=0.3)
+    n_act = int((inp["weights"] != 0).sum())
+    ours = run_ours(
+        inp, 60, "torch", 7,
+        reduce_max=lambda t: calls.append(("max", tuple(t.shape))),
+        reduce_sum=lambda t: calls.append(("sum", tuple(t.shape))),
+    )
+    assert calls == [("max", (n_act,)), ("sum", (2, n_act))]
+    assert_matches(ours, full_logits_reference(**inp, n_valid=60), torch.float32)
+
+
+def test_default_chunk_size() -> None:
+    assert ce.default_chunk_size(250_300) == 128  # 2^25 / 250,300 = 134 -> 128
+    assert ce.default_chunk_size(125_150) * 125_150 <= ce.CHUNK_ELEMENTS
+    assert ce.default_chunk_size(2**26) == 1
+
+
+def test_bad_arguments_are_explained() -> None:
+    inp = make_inputs(3, 8, 10, 10, torch.float32, bias=False)
+    args = (inp["hidden"], inp["weight"], None, inp["targets"], inp["weights"])
+    with pytest.raises(ValueError, match="n_valid"):
+        ce.linear_cross_entropy(*args, vocab_start=0, n_valid=11)
+    with pytest.raises(ValueError, match="dtype"):
+        ce.linear_cross_entropy(inp["hidden"].bfloat16(), *args[1:], vocab_start=0, n_valid=10)
+    with pytest.raises(ValueError, match="backend"):
+        ce.linear_cross_entropy(*args, vocab_start=0, n_valid=10, backend="cuda")

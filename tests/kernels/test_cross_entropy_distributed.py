@@ -1,0 +1,77 @@
+"""Vocab-parallel linear_cross_entropy over 2 and 3 gloo ranks against single-process
+F.cross_entropy on the full logits. The reduce callables are built here from all_reduce,
+as `parallel/` will build them over the tensor-parallel group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_rembert.kernels.cross_entropy import linear_cross_entropy
+from tests.distributed import run_distributed
+from tests.kernels.ce_oracle import TOL, full_logits_reference, make_inputs
+
+N, E = 13, 16
+
+
+def shard_worker(rank: int, world_size: int, real_vocab: int, v_pad: int, backend: str,
+                 dtype) -> dict:  # noqa: ANN001
+    v_local = v_pad // world_size
+    inp = make_inputs(N, E, v_pad, real_vocab, dtype, bias=True, seed=7)  # same on every rank
+    lo = rank * v_local
+    n_valid = min(max(real_vocab - lo, 0), v_local)
+    h = inp["hidden"].clone().requires_grad_()
+    w = inp["weight"][lo : lo + v_local].clone().requires_grad_()  # V_local x E
+    b = inp["bias"][lo : lo + v_local].clone().requires_grad_()  # V_local
+
+    def reduce_max(t: torch.Tensor) -> None:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+
+    def reduce_sum(t: torch.Tensor) -> None:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+
+    losses, correct = linear_cross_entropy(
+        h, w, b, inp["targets"], inp["weights"], vocab_start=lo, n_valid=n_valid,
+        reduce_max=reduce_max, reduce_sum=reduce_sum, chunk_size=4, backend=backend,
+    )
+    (losses * inp["grad_out"]).sum().backward()
+    grad_h = h.grad.float()
+    dist.all_reduce(grad_h)  # the caller's job: sum the shards' grad_hidden contributions
+    out = dict(losses=losses.detach(), correct=correct, grad_h=grad_h, grad_w=w.grad,
+               grad_b=b.grad)
+    # numpy arrays travel by value (tensors would go through shared memory that dies with
+    # the worker); bf16 has no numpy type, so grads travel as fp32 with their dtype
+    arrays = {k: (v if v.dtype == torch.bool else v.float()).numpy() for k, v in out.items()}
+    return dict(arrays, n_valid=n_valid, grad_dtype=str(w.grad.dtype))
+
+
+@pytest.mark.parametrize(
+    "world_size,real_vocab,v_pad,backend,dtype",
+    [
+        (2, 290, 320, "triton", torch.float32),  # V_local 160: rank 1 has 130 valid columns
+        (3, 290, 291, "torch", torch.bfloat16),
+        (3, 150, 240, "triton", torch.float32),  # V_local 80: rank 2 is all padding
+    ],
+)
+def test_vocab_parallel_matches_single_process(
+    world_size: int, real_vocab: int, v_pad: int, backend: str, dtype: torch.dtype
+) -> None:
+    results = run_distributed(shard_worker, world_size, real_vocab, v_pad, backend, dtype)
+    assert all(r["grad_dtype"] == str(dtype) for r in results)
+    results = [{k: torch.from_numpy(v) if k not in ("n_valid", "grad_dtype") else v
+                for k, v in r.items()} for r in results]
+    if real_vocab == 150:
+        assert results[-1]["n_valid"] == 0
+    inp = make_inputs(N, E, v_pad, real_vocab, dtype, bias=True, seed=7)
+    losses, correct, (g_h, g_w, g_b) = full_logits_reference(**inp, n_valid=real_vocab)
+    atol, rtol = TOL[dtype]
+    for r in results:  # every rank sees the global loss, accuracy and grad_hidden
+        torch.testing.assert_close(r["losses"], losses, atol=atol, rtol=rtol)
+        assert torch.equal(r["correct"], correct)
+        torch.testing.assert_close(r["grad_h"], g_h.float(), atol=atol, rtol=rtol)
+    grad_w = torch.cat([r["grad_w"] for r in results])  # V_pad x E, gathered shards
+    grad_b = torch.cat([r["grad_b"] for r in results])  # V_pad
+    torch.testing.assert_close(grad_w.float(), g_w.float(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(grad_b.float(), g_b.float(), atol=atol, rtol=rtol)
+    assert (grad_w[real_vocab:] == 0).all() and (grad_b[real_vocab:] == 0).all()
