@@ -1,0 +1,92 @@
+"""`train.py --dry-run`: sizes, layout, per-rank memory and FLOPs per step, allocating nothing."""
+
+from __future__ import annotations
+
+from megatron_rembert.model.pipeline import pipeline_layer_costs
+from megatron_rembert.model.sizes import flops_per_token, parameter_counts
+from megatron_rembert.training.config import Config, validate_config
+
+
+def _partition(costs: list[int], stages: int) -> list[list[int]]:
+    """Contiguous split of layer costs into `stages` parts minimising the largest part."""
+    lo, hi = max(costs), sum(costs)
+    while lo < hi:  # binary search on the largest stage
+        mid = (lo + hi) // 2
+        parts, current = 1, 0
+        for c in costs:
+            if current + c > mid:
+                parts, current = parts + 1, 0
+            current += c
+        lo, hi = (mid + 1, hi) if parts > stages else (lo, mid)
+    out, current = [[]], 0
+    for c in costs:
+        if current + c > lo:
+            out.append([])
+            current = 0
+        out[-1].append(c)
+        current += c
+    return out
+
+
+def memory_estimate(config: Config, dp: int) -> dict:
+    """Bytes per rank on the most loaded pipeline stage.
+
+    Parameters and gradients in the training precision (fp32 master weights kept by the
+    optimizer for bf16/fp16), Adam moments fp32; ZeRO-1 shards optimizer states, ZeRO-2 also
+    gradients, over DP. Activations per Transformer layer and micro-batch follow Korthikanti et
+    al. 2022 ("Reducing activation recomputation"), without sequence parallelism:
+    s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes in 16-bit; doubled for fp32; with full activation
+    checkpointing only the layer input (2*s*b*h) is kept per layer. With 1F1B the first stage
+    holds up to pp micro-batches in flight.
+    """
+    m, par, train = config.model, config.parallel, config.train
+    tp, pp = par.tp, par.pp
+    stages = _partition(pipeline_layer_costs(m), pp)
+    params = max(sum(s) for s in stages) / tp
+    half = train.precision in ("bf16", "fp16")
+    weight_bytes = 2 if half else 4
+    zero = par.zero_stage
+    grads = params * weight_bytes / (dp if zero >= 2 else 1)
+    optimizer = params * ((4 if half else 0) + 8) / (dp if zero >= 1 else 1)
+    s, b, h, a = config.data.seq_length, train.micro_batch_size, m.hidden_size, \
+        m.num_attention_heads
+    per_layer = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
+    if par.activation_checkpointing:
+        per_layer = 2 * s * b * h
+    layers_per_stage = -(-m.num_hidden_layers // pp)
+    activations = per_layer * layers_per_stage * min(pp, _gas(config, dp)) * (1 if half else 2)
+    return {"parameters": params * weight_bytes, "gradients": grads,
+            "optimizer_states": optimizer, "activations": activations,
+            "params_per_rank": params}
+
+
+def _gas(config: Config, dp: int) -> int:
+    return config.train.global_batch_size // (config.train.micro_batch_size * dp)
+
+
+def dry_run_report(config: Config, world_size: int) -> str:
+    dp = validate_config(config, world_size)
+    counts = parameter_counts(config.model)
+    flops = flops_per_token(config.model, config.data.seq_length, config.data.mask_prob)
+    tokens = config.train.global_batch_size * config.data.seq_length
+    mem = memory_estimate(config, dp)
+    gib = 2**30
+    lines = [
+        f"model {config.model_preset}: {counts.pretraining:,} parameters in pre-training "
+        f"({counts.pretraining_with_pooler:,} with pooler), {counts.finetuning:,} in "
+        "fine-tuning",
+        f"layout: world {world_size} = pp {config.parallel.pp} x dp {dp} x tp "
+        f"{config.parallel.tp}; ZeRO stage {config.parallel.zero_stage}; "
+        f"{config.train.precision}",
+        f"batch: global {config.train.global_batch_size} = micro {config.train.micro_batch_size}"
+        f" x accumulation {_gas(config, dp)} x dp {dp}; {tokens:,} tokens per step",
+        f"FLOPs per step: {flops['training'] * tokens:.3e} "
+        f"({flops['training']:,.0f} per token, MLM head {flops['head_share']:.1%} of forward)",
+        f"memory per rank (estimate, most loaded stage, {mem['params_per_rank']:,.0f} "
+        "parameters):",
+    ]
+    for key in ("parameters", "gradients", "optimizer_states", "activations"):
+        lines.append(f"  {key:<17} {mem[key] / gib:8.2f} GiB")
+    total = sum(mem[k] for k in ("parameters", "gradients", "optimizer_states", "activations"))
+    lines.append(f"  {'total':<17} {total / gib:8.2f} GiB")
+    return "\n".join(lines)

@@ -1,0 +1,206 @@
+"""The training loop: data, steps, metrics, validation, checkpoints, signals, resume."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_rembert.config import ConfigError
+from megatron_rembert.data.common import sha256_file
+from megatron_rembert.data.loader import build_pretraining_loader, build_validation_loader
+from megatron_rembert.data.shards import ShardDataset
+from megatron_rembert.model.sizes import flops_per_token
+from megatron_rembert.parallel import random as tp_random
+from megatron_rembert.parallel import state
+from megatron_rembert.training import checkpoint as ckpt
+from megatron_rembert.training.config import Config, validate_config
+from megatron_rembert.training.metrics import MetricsLogger, format_line, memory_gib, peak_flops
+
+
+class TrainingError(RuntimeError):
+    pass
+
+
+class StopFlag:
+    """SIGTERM / SIGUSR1 (SLURM's warning before preemption or the time limit) set a flag; the
+    ranks agree on it at a step boundary with one tiny all-reduce, then save and exit."""
+
+    def __init__(self):
+        self.raised = False
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.raised = True
+
+    def agreed(self) -> bool:
+        flag = torch.tensor([1 if self.raised else 0])
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def setup_distributed() -> tuple[int, int, torch.device]:
+    """Initialise torch.distributed from torchrun's environment (or a single process)."""
+    import deepspeed
+
+    cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def check_inputs(config: Config, world_size: int) -> tuple[int, str | None]:
+    """Every cheap check before heavy work: layout, data folder, tokenizer, vocabulary."""
+    dp = validate_config(config, world_size)
+    data = config.data
+    if not data.path:
+        raise ConfigError("data.path is not set: point it at a folder made by "
+                          "data_tools/preprocess.py (--set data.path=DIR)")
+    if not Path(data.path, "manifest.json").is_file():
+        raise ConfigError(f"data.path={data.path}: no manifest.json there; make the dataset "
+                          "with data_tools/preprocess.py")
+    sha = None
+    if data.tokenizer:
+        if not Path(data.tokenizer).is_file():
+            raise ConfigError(f"data.tokenizer={data.tokenizer}: no such file")
+        sha = sha256_file(data.tokenizer)
+    dataset = ShardDataset(data.path, "train", tokenizer_sha256=sha, seq_length=data.seq_length)
+    if dataset.vocab_size != config.model.vocab_size:
+        raise ConfigError(
+            f"data.path={data.path} was made with a tokenizer of {dataset.vocab_size} pieces, "
+            f"model.vocab_size={config.model.vocab_size}; set model.vocab_size="
+            f"{dataset.vocab_size} or use the matching dataset")
+    return dp, sha
+
+
+def _meta(config: Config, sha: str | None, world: int) -> dict:
+    par = config.parallel
+    return {"config": config.to_dict(), "tokenizer_sha256": sha,
+            "layout": {"tp": par.tp, "pp": par.pp, "dp": world // (par.tp * par.pp)}}
+
+
+def _resume(trainer, config: Config, world: int) -> tuple[int, int]:
+    folder = ckpt.find_latest(config.train.save_dir)
+    if folder is None:
+        return 0, 0
+    meta = ckpt.read_meta(folder)
+    old = meta["config"]["model"]
+    new = config.to_dict()["model"]
+    changed = sorted(k for k in new if k not in ("loss_backend", "attention_backend")
+                     and old.get(k) != new[k])
+    if changed:
+        raise ckpt.CheckpointError(
+            f"{folder}: the checkpoint's model differs from the config in {changed}; resume "
+            "with the same model or use a different train.save_dir")
+    if meta["config"]["train"]["global_batch_size"] != config.train.global_batch_size:
+        raise ckpt.CheckpointError(
+            f"{folder}: trained with train.global_batch_size="
+            f"{meta['config']['train']['global_batch_size']}, the config says "
+            f"{config.train.global_batch_size}")
+    same_layout = meta["layout"] == _meta(config, None, world)["layout"]
+    resumed = ckpt.load_checkpoint(trainer.engine, folder, same_layout)
+    return resumed.step, resumed.consumed_samples
+
+
+def train(config: Config) -> dict:
+    """Run (or resume) training; returns a summary of where everything went."""
+    from megatron_rembert.training.engine import Trainer
+
+    rank, world, device = setup_distributed()
+    dp, sha = check_inputs(config, world)
+    s = state.initialize_model_parallel(config.parallel.tp, config.parallel.pp)
+    tp_random.seed_all(config.train.seed, device)
+    stop = StopFlag()
+    log = MetricsLogger(config.train.log_dir, enabled=rank == 0)
+    trainer = Trainer(config, dp, device)
+    step, consumed = _resume(trainer, config, world)
+    if step:
+        log.console(f"resumed from {Path(config.train.save_dir) / ckpt.step_tag(step)} "
+                    f"(step {step}, {consumed} samples consumed)")
+    train_cfg, data = config.train, config.data
+    loader = build_pretraining_loader(
+        data.path, sha, data.seq_length, train_cfg.micro_batch_size, train_cfg.global_batch_size,
+        dp_rank=s.dp_rank, dp_size=dp, seed=train_cfg.seed, consumed_samples=consumed,
+        alpha=data.alpha, mask_prob=data.mask_prob, whole_word_mask=data.whole_word_mask,
+        vocab_size=config.model.vocab_size, max_predictions=data.max_predictions or None,
+        num_workers=data.num_workers)
+    meta = _meta(config, sha, world)
+    flops_token = flops_per_token(config.model, data.seq_length, data.mask_prob)["training"]
+    peak = peak_flops(device)
+    nonfinite = 0
+    last_saved = step if step else None
+    last = {}
+    while step < train_cfg.steps:
+        start = time.perf_counter()
+        batches = [next(loader) for _ in range(trainer.gas)]
+        stats = trainer.train_step(batches)
+        step += 1
+        consumed += train_cfg.global_batch_size
+        elapsed = time.perf_counter() - start
+        finite = torch.isfinite(torch.tensor(stats.loss)).item()
+        nonfinite = 0 if finite else nonfinite + 1
+        if nonfinite >= train_cfg.max_nonfinite_steps:
+            raise TrainingError(
+                f"{nonfinite} consecutive steps with a non-finite loss (last at step {step}); "
+                f"stopping. The last good checkpoint is kept in {train_cfg.save_dir}: lower "
+                "optim.lr, check the data, or use bf16 instead of fp16")
+        tokens_per_s = train_cfg.global_batch_size * data.seq_length / elapsed
+        last = {"loss": stats.loss, "mlm_acc": stats.mlm_acc, "lr": stats.lr,
+                "grad_norm": stats.grad_norm, "loss_scale": stats.loss_scale,
+                "skipped": stats.skipped, "tokens_per_s": tokens_per_s,
+                "masked_tokens": stats.masked_tokens, "consumed_samples": consumed,
+                "memory_gib": memory_gib(device)}
+        if peak is not None:
+            tflops = flops_token * tokens_per_s / world
+            last.update(tflops_per_gpu=tflops / 1e12, mfu=tflops / peak)
+        if step % train_cfg.log_interval == 0 or step == train_cfg.steps:
+            log.log(step, last)
+            log.console(format_line(step, train_cfg.steps, last))
+        if train_cfg.eval_interval and step % train_cfg.eval_interval == 0:
+            evaluate(trainer, config, s.dp_rank, dp, sha, step, log)
+        stopping = stop.agreed()
+        periodic = train_cfg.save_interval and step % train_cfg.save_interval == 0
+        if (periodic or stopping or step == train_cfg.steps) and finite:
+            ckpt.save_checkpoint(trainer.engine, train_cfg.save_dir, step, consumed, meta,
+                                 train_cfg.keep_last)
+            last_saved = step
+        if stopping:
+            log.console(f"signal received: saved step {step}, exiting for requeue")
+            break
+    log.close()
+    return {"step": step, "last_saved": last_saved, "last": last,
+            "save_dir": train_cfg.save_dir, "log_dir": train_cfg.log_dir}
+
+
+def evaluate(trainer, config: Config, dp_rank: int, dp: int, sha: str | None, step: int,
+             log: MetricsLogger) -> None:
+    data = config.data
+    loader = build_validation_loader(
+        data.path, sha, data.seq_length, config.train.micro_batch_size, dp_rank=dp_rank,
+        dp_size=dp, seed=config.train.seed, mask_prob=data.mask_prob,
+        whole_word_mask=data.whole_word_mask, vocab_size=config.model.vocab_size,
+        max_predictions=data.max_predictions or None,
+        max_batches=config.train.eval_batches * trainer.gas)
+    batches = list(loader)
+    # The pipeline engine evaluates in groups of gradient-accumulation size.
+    usable = len(batches) - len(batches) % trainer.gas
+    if usable == 0:
+        log.console(f"validation split too small for one batch of {trainer.gas} micro-batches")
+        return
+    loss, acc, tokens = trainer.eval_step(batches[:usable])
+    log.log(step, {"loss": loss, "mlm_acc": acc, "masked_tokens": tokens}, prefix="valid")
+    log.console(f"step {step:>7} | validation loss {loss:.4f} | acc {acc:.3f}")

@@ -1,0 +1,77 @@
+"""Rank-0 metrics: TensorBoard events, metrics.jsonl (one object per logged step), console."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+# Dense bf16 peak FLOP/s per GPU (vendor data sheets, without sparsity).
+PEAK_BF16_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The GPU's bf16 peak, or None on CPU or an unknown GPU (then MFU is left out)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+def memory_gib(device: torch.device) -> float:
+    """Peak allocated GPU memory, or the process's peak resident memory on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # kB on Linux
+
+
+class MetricsLogger:
+    """Writes on global rank 0 only; other ranks get a logger that does nothing."""
+
+    def __init__(self, log_dir: str | Path, enabled: bool):
+        self.enabled = enabled
+        self.writer = None
+        self.jsonl = None
+        if enabled:
+            log_dir = Path(log_dir)
+            log_dir.mkdir(parents=True, exist_ok=True)
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(log_dir))
+            self.jsonl = open(log_dir / "metrics.jsonl", "a")
+
+    def log(self, step: int, values: dict, prefix: str = "train") -> None:
+        if not self.enabled:
+            return
+        for key, value in values.items():
+            if isinstance(value, (int, float)) and key != "step":
+                self.writer.add_scalar(f"{prefix}/{key}", value, step)
+        self.jsonl.write(json.dumps({"split": prefix, "step": step, **values}) + "\n")
+        self.jsonl.flush()
+        self.writer.flush()
+
+    def console(self, text: str) -> None:
+        if self.enabled:
+            print(text, file=sys.stdout, flush=True)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.writer.close()
+            self.jsonl.close()
+
+
+def format_line(step: int, total: int, v: dict) -> str:
+    parts = [f"step {step:>7}/{total}", f"loss {v['loss']:.4f}", f"acc {v['mlm_acc']:.3f}",
+             f"lr {v['lr']:.3e}"]
+    if v.get("grad_norm") is not None:
+        parts.append(f"gnorm {v['grad_norm']:.3f}")
+    if v.get("loss_scale") is not None:
+        parts.append(f"scale {v['loss_scale']:.0f}")
+    parts.append(f"{v['tokens_per_s']:,.0f} tok/s")
+    if v.get("mfu") is not None:
+        parts.append(f"{v['tflops_per_gpu']:.1f} TFLOP/s/GPU mfu {v['mfu']:.1%}")
+    parts.append(f"mem {v['memory_gib']:.2f} GiB")
+    return " | ".join(parts)
