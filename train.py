@@ -10,6 +10,8 @@ import os
 import sys
 
 from megatron_rembert.config import ConfigError
+from megatron_rembert.data.common import DataError
+from megatron_rembert.training.checkpoint import CheckpointError
 from megatron_rembert.training.config import config_help, load_config
 
 
@@ -41,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         from megatron_rembert.training.loop import train
 
         summary = train(config)
-    except ConfigError as err:
+    except (ConfigError, DataError, CheckpointError) as err:
+        # Bad input: one clear line, no traceback (raised before any heavy work).
         print(f"error: {err}", file=sys.stderr)
         return 2
     if summary and int(os.environ.get("RANK", 0)) == 0:

@@ -63,9 +63,13 @@ def setup_distributed() -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def check_inputs(config: Config, world_size: int) -> tuple[int, str | None]:
+def check_inputs(config: Config, world_size: int, device: torch.device
+                 ) -> tuple[int, str | None]:
     """Every cheap check before heavy work: layout, data folder, tokenizer, vocabulary."""
     dp = validate_config(config, world_size)
+    if config.train.precision == "fp16" and device.type != "cuda":
+        raise ConfigError("train.precision=fp16 needs a GPU (DeepSpeed has no fp16 on CPU); "
+                          "use bf16 or fp32")
     data = config.data
     if not data.path:
         raise ConfigError("data.path is not set: point it at a folder made by "
@@ -121,7 +125,7 @@ def train(config: Config) -> dict:
     from megatron_rembert.training.engine import Trainer
 
     rank, world, device = setup_distributed()
-    dp, sha = check_inputs(config, world)
+    dp, sha = check_inputs(config, world, device)
     s = state.initialize_model_parallel(config.parallel.tp, config.parallel.pp)
     tp_random.seed_all(config.train.seed, device)
     stop = StopFlag()

@@ -1,0 +1,142 @@
+"""Config parsing, validation and the checks that run before any heavy work."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_rembert.config import ConfigError
+from megatron_rembert.data.common import DataError
+from megatron_rembert.training.checkpoint import CheckpointError, find_latest
+from megatron_rembert.training.config import build_config, load_config, validate_config
+from megatron_rembert.training.loop import check_inputs
+from megatron_rembert.training.optim import deepspeed_config, lr_lambda
+from tests.training.conftest import SEQ
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_yaml_and_overrides():
+    config = load_config(ROOT / "configs/tiny.yaml", ["train.steps=20", "parallel.tp=2",
+                                                      "optim.lr=1e-3", "model.num_hidden_layers=4"])
+    assert config.train.steps == 20 and config.parallel.tp == 2
+    assert config.optim.lr == 1e-3 and isinstance(config.optim.lr, float)
+    assert config.model.num_hidden_layers == 4 and config.model.hidden_size == 48  # preset kept
+
+
+@pytest.mark.parametrize("item, message", [
+    ("train.bogus=1", "unknown key train.bogus"),
+    ("train.steps=abc", "train.steps: expected int"),
+    ("train.steps=true", "train.steps: expected int"),
+    ("nosection.x=1", "unknown config section"),
+    ("steps=1", "expected SECTION.KEY"),
+    ("train.steps", "expected KEY=VALUE"),
+    ("model.preset=giant", "unknown model preset 'giant'"),
+])
+def test_bad_overrides_name_the_key(item, message):
+    with pytest.raises(ConfigError, match=message):
+        build_config({}, [item])
+
+
+@pytest.mark.parametrize("sets, world, message", [
+    (["parallel.tp=2", "parallel.pp=2"], 6, "world size 6 is not divisible"),
+    (["parallel.tp=4"], 4, "num_attention_heads=6 is not divisible by parallel.tp=4"),
+    (["parallel.pp=3"], 3, "num_hidden_layers=2 is fewer than parallel.pp=3"),
+    (["parallel.pp=2", "parallel.zero_stage=2"], 2, "zero_stage=2 is not supported"),
+    (["train.global_batch_size=30"], 2, "global_batch_size=30 is not a multiple"),
+    (["data.seq_length=4096"], 1, "exceeds model.max_position_embeddings"),
+])
+def test_layout_errors(sets, world, message):
+    config = load_config(ROOT / "configs/tiny.yaml", sets)
+    with pytest.raises(ConfigError, match=message):
+        validate_config(config, world)
+
+
+def test_deepspeed_dict_gets_every_number_from_our_config(tmp_path):
+    config = load_config(ROOT / "configs/rembert.yaml", ["parallel.ds_config="
+                                                         + str(ROOT / "ds_configs/zero2_bf16.json"),
+                                                         "parallel.zero_stage=2"])
+    ds = deepspeed_config(config, dp=16)
+    assert ds["train_batch_size"] == 2048 and ds["train_micro_batch_size_per_gpu"] == 16
+    assert ds["gradient_accumulation_steps"] == 8 and ds["gradient_clipping"] == 1.0
+    assert ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
+    assert ds["zero_optimization"]["stage"] == 2
+    assert ds["zero_optimization"]["reduce_scatter"]  # the JSON's own knob kept
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"train_batch_size": 4}))
+    config.parallel.ds_config = str(bad)
+    with pytest.raises(ConfigError, match="sets \\['train_batch_size'\\]"):
+        deepspeed_config(config, dp=16)
+
+
+def test_lr_schedule_warmup_then_linear_decay():
+    config = load_config(ROOT / "configs/rembert.yaml",
+                         ["train.steps=100", "optim.warmup_steps=10"])
+    f = lr_lambda(config)
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
+    assert f(55) == pytest.approx(0.5) and f(100) == pytest.approx(0.0)
+
+
+def _tiny(tiny_dataset, *sets):
+    data, tok = tiny_dataset
+    return load_config(ROOT / "configs/tiny.yaml", [f"data.path={data}",
+                                                    f"data.tokenizer={tok}",
+                                                    f"data.seq_length={SEQ}", *sets])
+
+
+def test_inputs_accepted(tiny_dataset):
+    dp, sha = check_inputs(_tiny(tiny_dataset), 2, torch.device("cpu"))
+    assert dp == 2 and len(sha) == 64
+
+
+def test_missing_data_folder(tiny_dataset, tmp_path):
+    with pytest.raises(ConfigError, match="no manifest.json"):
+        check_inputs(_tiny(tiny_dataset, f"data.path={tmp_path / 'nope'}"), 1,
+                     torch.device("cpu"))
+
+
+def test_other_tokenizer_is_refused(tiny_dataset, tmp_path):
+    other = tmp_path / "other.model"
+    other.write_bytes(tiny_dataset[1].read_bytes() + b"x")
+    with pytest.raises(DataError, match="manifest.json: dataset made with tokenizer"):
+        check_inputs(_tiny(tiny_dataset, f"data.tokenizer={other}"), 1, torch.device("cpu"))
+
+
+def test_vocab_size_mismatch(tiny_dataset):
+    with pytest.raises(ConfigError, match="set model.vocab_size=1000"):
+        check_inputs(_tiny(tiny_dataset, "model.vocab_size=1200"), 1, torch.device("cpu"))
+
+
+def test_sequence_length_mismatch(tiny_dataset):
+    with pytest.raises(DataError, match="sequence length"):
+        check_inputs(_tiny(tiny_dataset, "data.seq_length=64"), 1, torch.device("cpu"))
+
+
+def test_fp16_needs_gpu(tiny_dataset):
+    with pytest.raises(ConfigError, match="fp16 needs a GPU"):
+        check_inputs(_tiny(tiny_dataset, "train.precision=fp16"), 1, torch.device("cpu"))
+
+
+def test_latest_pointing_at_incomplete_checkpoint(tmp_path):
+    (tmp_path / "step_00000005").mkdir()
+    (tmp_path / "latest").write_text("step_00000005\n")
+    with pytest.raises(CheckpointError, match="not a complete checkpoint"):
+        find_latest(tmp_path)
+    assert find_latest(tmp_path / "empty") is None
+
+
+def test_cli_dry_run_and_errors():
+    run = subprocess.run([sys.executable, "train.py", "--config", "configs/rembert.yaml",
+                          "--dry-run", "--world-size", "64"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "993,263,548 parameters in pre-training" in run.stdout
+    assert "pp 1 x dp 32 x tp 2" in run.stdout and "optimizer_states" in run.stdout
+    bad = subprocess.run([sys.executable, "train.py", "--config", "configs/tiny.yaml",
+                          "--set", "parallel.tp=4", "--dry-run"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "not divisible by parallel.tp=4" in bad.stderr
+    assert "Traceback" not in bad.stderr

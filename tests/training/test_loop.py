@@ -1,0 +1,107 @@
+"""train(): resume after a signal or a kill equals an uninterrupted run; failures are clean."""
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.distributed import run_distributed
+from tests.training.conftest import SEQ
+
+STEPS = 6
+
+
+def overrides(tmp: Path, data, tokenizer, **extra) -> list[str]:
+    values = {
+        "data.path": data, "data.tokenizer": tokenizer, "data.seq_length": SEQ,
+        "data.num_workers": 0, "train.steps": STEPS, "train.global_batch_size": 8,
+        "train.micro_batch_size": 2, "train.log_interval": 1, "train.eval_interval": 3,
+        "train.eval_batches": 1, "train.save_interval": 0, "optim.warmup_steps": 2,
+        "train.save_dir": tmp / "ckpt", "train.log_dir": tmp / "logs",
+    }
+    values.update(extra)
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+def losses(log_dir: Path, split: str = "train") -> dict[int, float]:
+    rows = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if r["split"] == split}
+
+
+def _train(rank, world_size, sets, signal_at=None, die_saving_step=None, nan_from=None):
+    """Run train() from configs/tiny.yaml; optional faults injected from the outside."""
+    from megatron_rembert.training import checkpoint, engine, loop
+    from megatron_rembert.training.config import load_config
+
+    real_step = engine.Trainer.train_step
+    calls = {"n": 0}
+
+    def step(self, batches):
+        stats = real_step(self, batches)
+        calls["n"] += 1
+        if signal_at is not None and calls["n"] == signal_at and rank == world_size - 1:
+            os.kill(os.getpid(), signal.SIGUSR1)  # only one rank is told; all must stop
+        if nan_from is not None and calls["n"] >= nan_from:
+            stats.loss = float("nan")
+        return stats
+
+    engine.Trainer.train_step = step
+    if die_saving_step is not None:
+        real_save = checkpoint.torch.save
+
+        def save(obj, path, *args, **kwargs):
+            if f"step_{die_saving_step:08d}" in str(path):
+                os._exit(137)  # as if killed -9 after the engine files, before 'complete'
+            return real_save(obj, path, *args, **kwargs)
+
+        checkpoint.torch.save = save
+    config = load_config("configs/tiny.yaml", sets)
+    return loop.train(config)["step"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, tiny_dataset):
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    run_distributed(_train, 2, overrides(tmp, *tiny_dataset))
+    result = losses(tmp / "logs")
+    assert sorted(result) == list(range(1, STEPS + 1))
+    assert len(losses(tmp / "logs", "valid")) == 2  # validation at steps 3 and 6
+    return result
+
+
+def test_signal_saves_and_resume_matches(tmp_path, tiny_dataset, uninterrupted):
+    sets = overrides(tmp_path, *tiny_dataset)
+    stopped = run_distributed(_train, 2, sets, 2)
+    assert stopped == [2, 2]  # both ranks stopped at the step after the signal
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_00000002"
+    run_distributed(_train, 2, sets)
+    resumed = losses(tmp_path / "logs")
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    for step, loss in uninterrupted.items():
+        assert resumed[step] == pytest.approx(loss, rel=1e-6), f"step {step}"
+
+
+def test_kill_during_save_keeps_previous_checkpoint(tmp_path, tiny_dataset, uninterrupted):
+    sets = overrides(tmp_path, *tiny_dataset, **{"train.save_interval": 2})
+    with pytest.raises(AssertionError, match="hung or died"):
+        run_distributed(_train, 1, sets, None, 4, timeout=120)
+    ckpt = tmp_path / "ckpt"
+    assert (ckpt / "latest").read_text().strip() == "step_00000002"
+    assert not (ckpt / "step_00000004" / "complete").exists()
+    run_distributed(_train, 1, sets)
+    resumed = losses(tmp_path / "logs")
+    assert (ckpt / "latest").read_text().strip() == f"step_{STEPS:08d}"
+    # One process sees the same global batches as two: the losses of the 2-rank run.
+    for step in range(3, STEPS + 1):
+        assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-6), f"step {step}"
+
+
+def test_non_finite_losses_stop_and_keep_last_good(tmp_path, tiny_dataset):
+    sets = overrides(tmp_path, *tiny_dataset, **{"train.save_interval": 1,
+                                                  "train.max_nonfinite_steps": 2})
+    with pytest.raises(AssertionError, match="2 consecutive steps with a non-finite loss"):
+        run_distributed(_train, 1, sets, None, None, 3)
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_00000002"
+    assert not (tmp_path / "ckpt" / "step_00000003").exists()
