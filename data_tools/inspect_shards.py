@@ -1,0 +1,50 @@
+"""Summarise, verify or decode a dataset folder made by preprocess.py. Examples:
+
+    python data_tools/inspect_shards.py demo_out/data
+    python data_tools/inspect_shards.py demo_out/data --verify --tokenizer demo_out/spm.model
+    python data_tools/inspect_shards.py demo_out/data --decode 3 --tokenizer demo_out/spm.model
+
+Exit code 1 when --verify finds problems, 2 on an unreadable dataset.
+"""
+
+import argparse
+import sys
+
+import _path  # noqa: F401
+
+from megatron_rembert.data.common import DataError
+from megatron_rembert.data.inspection import decode_samples, summarize, verify
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("data_dir")
+    p.add_argument("--verify", action="store_true",
+                   help="check checksums, schema, counts and the token-id range of every shard")
+    p.add_argument("--decode", type=int, metavar="N", default=0,
+                   help="print N random rows as text (needs --tokenizer)")
+    p.add_argument("--split", choices=["train", "valid"], default="train")
+    p.add_argument("--tokenizer", help="SentencePiece .model the dataset was made with")
+    a = p.parse_args()
+    try:
+        print(summarize(a.data_dir))
+        if a.verify:
+            problems = verify(a.data_dir, a.tokenizer)
+            for msg in problems:
+                print(f"PROBLEM: {msg}")
+            print(f"verify: {len(problems)} problem(s)")
+            if problems:
+                sys.exit(1)
+        if a.decode:
+            if not a.tokenizer:
+                p.error("--decode needs --tokenizer PATH.model")
+            for lang, text in decode_samples(a.data_dir, a.tokenizer, a.decode, a.split):
+                print(f"--- [{lang}] {text}")
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,229 @@
+"""Reading a corpus folder: `DIR/<lang>/**/*.{txt,jsonl}[.gz]`.
+
+`.txt`: one document per line. `.jsonl`: one JSON object per line with a string field `text`.
+What is skipped (and counted) versus what is an error is listed in `SKIPPED_VS_ERRORS`, which
+the command-line tools print in `--help`.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import re
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from megatron_rembert.data.common import DataError
+
+LANG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
+DEFAULT_MAX_LINE_BYTES = 1 << 24  # 16 MiB: a whole book on one line is fine, a 1 GB blob is not
+
+SKIPPED_VS_ERRORS = """\
+skipped, counted and reported in the summary: blank lines; lines that are not valid UTF-8;
+lines longer than --max-line-bytes; .jsonl lines that are not JSON objects with a string field
+"text"; empty files; files of unknown type (not .txt/.jsonl, optionally .gz) and files directly
+in the corpus folder; language folders that hold no text.
+errors (exit code 2, message names the path): a missing or unreadable corpus folder, an
+unreadable or corrupt (e.g. truncated .gz) file, a language folder name that is not
+[A-Za-z0-9_-], a corpus in which no language has any text."""
+
+
+@dataclass
+class SkipStats:
+    """Counts of skipped input; `unknown_files`/`empty_languages` keep names for the report."""
+
+    blank_lines: int = 0
+    bad_utf8_lines: int = 0
+    long_lines: int = 0
+    bad_json_lines: int = 0
+    empty_files: int = 0
+    unknown_files: list[str] = field(default_factory=list)
+    empty_languages: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SkipStats:
+        return cls(**d)
+
+    def add(self, other: SkipStats) -> None:
+        for k, v in asdict(other).items():
+            setattr(self, k, getattr(self, k) + v)
+
+    def report(self) -> str:
+        parts = [f"{k}={v}" for k, v in asdict(self).items() if isinstance(v, int) and v]
+        if self.unknown_files:
+            shown = ", ".join(self.unknown_files[:5])
+            more = len(self.unknown_files) - 5
+            parts.append(f"unknown_files={len(self.unknown_files)} ({shown}"
+                         f"{f', +{more} more' if more > 0 else ''})")
+        if self.empty_languages:
+            parts.append(f"languages without text: {', '.join(self.empty_languages)}")
+        return "skipped: " + ("; ".join(parts) if parts else "nothing")
+
+
+@dataclass(frozen=True)
+class CorpusFile:
+    lang: str
+    path: str
+    rel: str  # path relative to the corpus root, stable across machines
+    kind: str  # "txt" or "jsonl"
+    gz: bool
+    size: int
+
+
+def _file_kind(name: str) -> tuple[str | None, bool]:
+    gz = name.endswith(".gz")
+    base = name[:-3] if gz else name
+    for kind in ("txt", "jsonl"):
+        if base.endswith("." + kind):
+            return kind, gz
+    return None, gz
+
+
+def discover_corpus(
+    root: str | os.PathLike, languages: list[str] | None = None
+) -> tuple[dict[str, list[CorpusFile]], SkipStats]:
+    """Map language -> its text files (sorted by relative path) plus skip counts.
+
+    Languages without any non-empty text file are left out and listed in
+    `stats.empty_languages`. `languages` restricts (and must name existing folders)."""
+    root = Path(root)
+    if not root.is_dir():
+        raise DataError(f"corpus folder {root} does not exist or is not a folder; pass the folder "
+                        "holding one sub-folder per language (DIR/<lang>/*.txt).")
+    stats = SkipStats()
+    try:
+        entries = sorted(root.iterdir())
+    except OSError as e:
+        raise DataError(f"cannot read corpus folder {root}: {e}") from e
+    lang_dirs = {}
+    for p in entries:
+        if p.is_dir():
+            if not LANG_RE.match(p.name):
+                raise DataError(f"language folder {p} has a name that is not [A-Za-z0-9_-]; "
+                                "rename it to a language code such as 'en' or 'zh_hans'.")
+            lang_dirs[p.name] = p
+        else:
+            stats.unknown_files.append(p.name)
+    if languages:
+        missing = [lang for lang in languages if lang not in lang_dirs]
+        if missing:
+            raise DataError(f"--languages names {missing}, which have no folder in {root}.")
+        lang_dirs = {k: v for k, v in lang_dirs.items() if k in languages}
+    out: dict[str, list[CorpusFile]] = {}
+    for lang, d in lang_dirs.items():
+        files = []
+        try:
+            paths = sorted(p for p in d.rglob("*") if p.is_file())
+        except OSError as e:
+            raise DataError(f"cannot read language folder {d}: {e}") from e
+        for p in paths:
+            rel = p.relative_to(root).as_posix()
+            kind, gz = _file_kind(p.name)
+            if kind is None:
+                stats.unknown_files.append(rel)
+                continue
+            size = p.stat().st_size
+            if size == 0:
+                stats.empty_files += 1
+                continue
+            files.append(CorpusFile(lang, str(p), rel, kind, gz, size))
+        if files:
+            out[lang] = files
+        else:
+            stats.empty_languages.append(lang)
+    if not out:
+        raise DataError(f"no language folder in {root} holds a non-empty .txt/.jsonl(.gz) file; "
+                        "expected DIR/<lang>/*.txt (one document per line).")
+    return out, stats
+
+
+def _read_lines(f, max_line_bytes: int) -> Iterator[bytes | None]:
+    """Yield raw lines; None for a line over the limit (read through without keeping it)."""
+    while True:
+        line = f.readline(max_line_bytes + 1)
+        if not line:
+            return
+        if len(line) > max_line_bytes and not line.endswith(b"\n"):
+            while True:  # discard the rest of the over-long line in bounded pieces
+                rest = f.readline(1 << 20)
+                if not rest or rest.endswith(b"\n"):
+                    break
+            yield None
+        else:
+            yield line
+
+
+def iter_documents(
+    cf: CorpusFile,
+    stats: SkipStats,
+    start_line: int = 0,
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+    on_progress: Callable[[int], None] | None = None,
+) -> Iterator[tuple[int, str]]:
+    """Yield (line number, document text) from one file, counting skips into `stats`.
+
+    Lines before `start_line` are read but neither returned nor counted (used on resume).
+    `on_progress(bytes)` receives the position in the (possibly compressed) file."""
+    try:
+        raw = open(cf.path, "rb")  # noqa: SIM115 - closed in finally, wrapped by gzip below
+    except OSError as e:
+        raise DataError(f"cannot open {cf.path}: {e}") from e
+    try:
+        f = gzip.GzipFile(fileobj=raw, mode="rb") if cf.gz else raw
+        for n, line in enumerate(_read_lines(f, max_line_bytes)):
+            if on_progress is not None and n % 1024 == 0:
+                on_progress(raw.tell())
+            if n < start_line:
+                continue
+            if line is None:
+                stats.long_lines += 1
+                continue
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError:
+                stats.bad_utf8_lines += 1
+                continue
+            if cf.kind == "jsonl":
+                if not text.strip():
+                    stats.blank_lines += 1
+                    continue
+                try:
+                    obj = json.loads(text)
+                except ValueError:
+                    obj = None
+                if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+                    stats.bad_json_lines += 1
+                    continue
+                text = obj["text"]
+            text = text.lstrip("\ufeff").strip()
+            if not text:
+                stats.blank_lines += 1
+                continue
+            yield n, text
+        if on_progress is not None:
+            on_progress(raw.tell())
+    except (OSError, EOFError, zlib.error) as e:
+        raise DataError(f"cannot read {cf.path} (corrupt or truncated file?): {e}; "
+                        "re-download it or move it out of the corpus folder.") from e
+    finally:
+        raw.close()
+
+
+def chunk_text(text: str, max_chars: int) -> list[str]:
+    """Split a document into pieces of at most `max_chars`, at a space where there is one
+    (scripts without spaces, e.g. Chinese, are cut at the limit)."""
+    out = []
+    while len(text) > max_chars:
+        cut = text.rfind(" ", max_chars // 2, max_chars)
+        cut = max_chars if cut < 0 else cut
+        out.append(text[:cut].strip())
+        text = text[cut:].strip()
+    if text:
+        out.append(text)
+    return [t for t in out if t]

@@ -1,0 +1,54 @@
+"""Packing one language's documents into fixed-length rows.
+
+The documents form one stream `d1 [SEP] d2 [SEP] ...`, cut into pieces of S-2 tokens, each
+stored as `[CLS] piece [SEP]` (a long document spans several rows). Only the last row of a
+language (or a row with no room left for `[SEP]` + text) is padded with [PAD].
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from megatron_rembert.data.common import SpecialIds
+
+
+class Packer:
+    """Packs documents of one language and split into [S] int32 rows."""
+
+    def __init__(self, seq_length: int, ids: SpecialIds, buf: np.ndarray, rows: np.ndarray):
+        self.S, self.ids, self.buf = seq_length, ids, buf.astype(np.int32)
+        self.rows = [rows.astype(np.int32)] if len(rows) else []
+
+    @property
+    def n_rows(self) -> int:
+        return sum(len(r) for r in self.rows)
+
+    def _make(self, pieces: np.ndarray) -> np.ndarray:  # [n, S-2] -> [n, S]
+        out = np.full((len(pieces), self.S), self.ids.pad, dtype=np.int32)
+        out[:, 0], out[:, 1:-1], out[:, -1] = self.ids.cls, pieces, self.ids.sep
+        return out
+
+    def add(self, doc: np.ndarray) -> None:
+        content = self.S - 2
+        if len(self.buf) + 1 >= content:
+            self.flush_partial()  # no room for [SEP] + text: avoid a row ending in [SEP] [SEP]
+        sep = [np.array([self.ids.sep], np.int32)] if len(self.buf) else []
+        buf = np.concatenate([self.buf, *sep, doc.astype(np.int32)])
+        n = len(buf) // content
+        if n:
+            self.rows.append(self._make(buf[: n * content].reshape(n, content)))
+        self.buf = buf[n * content:].copy()
+
+    def flush_partial(self) -> None:
+        """Emit the carried-over tokens as one padded row (end of a language)."""
+        if len(self.buf):
+            row = np.full((1, self.S), self.ids.pad, dtype=np.int32)
+            row[0, 0], row[0, 1: 1 + len(self.buf)] = self.ids.cls, self.buf
+            row[0, 1 + len(self.buf)] = self.ids.sep
+            self.rows.append(row)
+            self.buf = np.zeros(0, np.int32)
+
+    def take(self, n: int) -> np.ndarray:
+        rows = np.concatenate(self.rows) if self.rows else np.zeros((0, self.S), np.int32)
+        self.rows = [rows[n:]] if len(rows) > n else []
+        return rows[:n]

@@ -1,0 +1,177 @@
+"""The multilingual sample stream: global sample index -> (language, row).
+
+Language weights are p_l = n_l^alpha / sum_k n_k^alpha (n_l = training tokens of language l;
+alpha = 0.5 in Chung et al. 2020, after XLM-R/mBERT's exponential smoothing).
+
+The stream is a pure function of (seed, index), so any rank can compute any part of it and a
+resume at `consumed_samples` continues exactly. It is built from blocks of B samples:
+- block b holds exactly A_l(b+1) - A_l(b) samples of language l, where
+  A_l(b) = floor(b*B*c_l) - floor(b*B*c_{l-1}) is the number of language-l samples before block
+  b and c_l = p_1 + ... + p_l (so the long-run share of l is exactly p_l; B >= 1/min p_l keeps
+  every quota non-negative), in an order shuffled by rng(seed, 0, b);
+- the k-th language-l sample (k counted over the whole stream) is row perm_e(k mod n_rows_l)
+  with e = k div n_rows_l and perm_e a pseudo-random permutation of [0, n_rows_l) keyed by
+  rng(seed, 1, l, e): every epoch of a language visits each of its rows exactly once before any
+  row repeats. perm_e is a 4-round Feistel network on the smallest even number of bits covering
+  n_rows_l, with cycle-walking (Black & Rogaway 2002), so it costs O(1) per sample and no
+  memory, however many rows a language has.
+rng(*words) = np.random.Generator(np.random.Philox(np.random.SeedSequence([*words]))).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+import numpy as np
+
+from megatron_rembert.data.common import DataError
+
+
+def rng_for(*words: int) -> np.random.Generator:
+    return np.random.Generator(np.random.Philox(np.random.SeedSequence(list(words))))
+
+
+def language_weights(tokens: list[int], alpha: float) -> np.ndarray:
+    """[L] float64, sums to 1; a language without tokens gets weight 0."""
+    t = np.asarray(tokens, dtype=np.float64)
+    if (t <= 0).all():
+        raise DataError("no language has any training tokens; check the dataset's manifest.")
+    w = np.where(t > 0, t ** alpha, 0.0)
+    return w / w.sum()
+
+
+class _LRU(OrderedDict):
+    size = 4
+
+    def __init__(self, size: int = 4):
+        super().__init__()
+        self.size = size
+
+    def put(self, key, value):
+        self[key] = value
+        self.move_to_end(key)
+        while len(self) > self.size:
+            self.popitem(last=False)
+        return value
+
+
+class MultilingualSampler:
+    """Maps global sample indices to (language index, row index); see the module docstring."""
+
+    def __init__(self, rows_per_language: list[int], tokens_per_language: list[int],
+                 alpha: float = 0.5, seed: int = 0, block_size: int | None = None):
+        self.rows = np.asarray(rows_per_language, dtype=np.int64)
+        self.probs = language_weights(tokens_per_language, alpha)
+        self.probs[self.rows == 0] = 0.0
+        self.probs /= self.probs.sum()
+        self.seed = int(seed)
+        min_p = self.probs[self.probs > 0].min()
+        # B * p_l >= 1 for every sampled language keeps per-block quotas non-negative.
+        need = max(4096, math.ceil(2.0 / min_p))
+        self.block_size = block_size or 1 << (need - 1).bit_length()
+        if self.block_size * min_p < 1:
+            raise ValueError(f"block_size {self.block_size} < 1/min p_l = {1 / min_p:.0f}")
+        self.cum = np.cumsum(self.probs)
+        self.cum[-1] = 1.0  # exact, so the counts of all languages add up to b*B
+        self._blocks, self._key_cache = _LRU(4), _LRU(2 * len(self.rows) + 2)
+
+    def __getstate__(self) -> dict:
+        # caches are rebuilt in each worker process rather than pickled
+        state = dict(self.__dict__)
+        state["_blocks"], state["_key_cache"] = _LRU(4), _LRU(2 * len(self.rows) + 2)
+        return state
+
+    def counts_before(self, block: int) -> np.ndarray:
+        """[L] int64: samples of each language in blocks [0, block)."""
+        a = np.floor(block * self.block_size * self.cum).astype(np.int64)
+        return np.diff(a, prepend=0)
+
+    def _block(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """Language of each position of block b, and its global pick number k."""
+        if b in self._blocks:
+            return self._blocks[b]
+        start = self.counts_before(b)
+        quota = self.counts_before(b + 1) - start  # [L], sums to B
+        assert (quota >= 0).all(), "block quotas must be non-negative"
+        langs = rng_for(self.seed, 0, b).permutation(np.repeat(np.arange(len(quota)), quota))
+        order = np.argsort(langs, kind="stable")
+        rank = np.empty(self.block_size, dtype=np.int64)
+        rank[order] = np.arange(self.block_size) - np.repeat(np.cumsum(quota) - quota, quota)
+        return self._blocks.put(b, (langs, start[langs] + rank))
+
+    def _keys(self, lang: int, epoch: int) -> np.ndarray:
+        key = (lang, epoch)
+        if key in self._key_cache:
+            return self._key_cache[key]
+        keys = rng_for(self.seed, 1, lang, epoch).integers(0, 2**63, size=4, dtype=np.uint64)
+        return self._key_cache.put(key, keys)
+
+    def __call__(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """indices [N] int64 -> (language index [N], row within language [N])."""
+        indices = np.asarray(indices, dtype=np.int64)
+        if (indices < 0).any():
+            raise ValueError("sample indices must be non-negative")
+        lang = np.empty(len(indices), dtype=np.int64)
+        pick = np.empty(len(indices), dtype=np.int64)
+        blocks = indices // self.block_size
+        for b in np.unique(blocks).tolist():
+            sel = blocks == b
+            langs, picks = self._block(b)
+            lang[sel] = langs[indices[sel] % self.block_size]
+            pick[sel] = picks[indices[sel] % self.block_size]
+        n_rows = self.rows[lang]
+        epoch, pos = pick // n_rows, pick % n_rows
+        row = np.empty(len(indices), dtype=np.int64)
+        for l, e in set(zip(lang.tolist(), epoch.tolist(), strict=True)):
+            sel = (lang == l) & (epoch == e)
+            row[sel] = feistel_permute(pos[sel], int(self.rows[l]), self._keys(l, e))
+        return lang, row
+
+
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a fast, well-mixing function uint64 -> uint64."""
+    x = (x ^ (x >> np.uint64(30))) * _M1
+    x = (x ^ (x >> np.uint64(27))) * _M2
+    return x ^ (x >> np.uint64(31))
+
+
+def feistel_permute(x: np.ndarray, n: int, keys: np.ndarray) -> np.ndarray:
+    """A keyed bijection of [0, n), applied elementwise to x [N] (values in [0, n))."""
+    half = max(1, ((max(n - 1, 1)).bit_length() + 1) // 2)
+    mask = np.uint64((1 << half) - 1)
+    out = np.asarray(x, dtype=np.uint64).copy()
+    todo = np.ones(len(out), dtype=bool)
+    with np.errstate(over="ignore"):
+        while todo.any():  # cycle-walking: re-apply until the value lands inside [0, n)
+            v = out[todo]
+            left, right = v >> np.uint64(half), v & mask
+            for k in keys:
+                left, right = right, left ^ (_mix(right ^ k) & mask)
+            v = (left << np.uint64(half)) | right
+            out[todo] = v
+            todo[todo] = v >= np.uint64(n)
+    return out.astype(np.int64)
+
+
+def rank_sample_indices(step: int, micro_step: int, global_batch_size: int,
+                        micro_batch_size: int, dp_rank: int, dp_size: int) -> np.ndarray:
+    """Global indices of micro-batch `micro_step` of data-parallel rank `dp_rank` at `step`.
+
+    The global batch of step k is samples [k*G, (k+1)*G); rank r owns the contiguous slice
+    [k*G + r*G/dp, k*G + (r+1)*G/dp), cut into micro-batches of `micro_batch_size`."""
+    check_batch_sizes(global_batch_size, micro_batch_size, dp_size)
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank {dp_rank} not in [0, {dp_size})")
+    start = step * global_batch_size + dp_rank * (global_batch_size // dp_size)
+    start += micro_step * micro_batch_size
+    return np.arange(start, start + micro_batch_size, dtype=np.int64)
+
+
+def check_batch_sizes(global_batch_size: int, micro_batch_size: int, dp_size: int) -> None:
+    if global_batch_size % (micro_batch_size * dp_size):
+        raise ValueError(f"global_batch_size {global_batch_size} must be a multiple of "
+                         f"micro_batch_size x dp_size = {micro_batch_size} x {dp_size}")

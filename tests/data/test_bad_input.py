@@ -1,0 +1,122 @@
+"""Bad corpus input: counted skips or clear errors naming the path."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from megatron_rembert.data.common import DataError
+from megatron_rembert.data.corpus import discover_corpus
+from megatron_rembert.data.preprocess import preprocess
+from megatron_rembert.data.tokenizer import train_tokenizer
+from tests.data.conftest import small_config
+
+
+def _write(path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+
+
+@pytest.fixture()
+def messy_corpus(tmp_path):
+    c = tmp_path / "corpus"
+    good = "da kepuga muhebova ha votuzu. te rateri gavava ha liri votuzu.\n"
+    _write(c / "aa" / "a.txt", (good * 3 + "\n   \n" + good).encode()  # 2 blank lines
+           + b"bad \xff\xfe utf8\n"  # 1 non-UTF-8 line
+           + b"x" * 5000 + b"\n"  # 1 line over --max-line-bytes (4096 below)
+           + good.encode())
+    _write(c / "aa" / "empty.txt", b"")  # empty file
+    _write(c / "aa" / "notes.pdf", b"%PDF")  # unknown type
+    _write(c / "README", b"top-level file")  # not in a language folder
+    lines = [json.dumps({"text": "на зату мятипо фы дыли шесу."}), "{not json",
+             json.dumps({"txt": "wrong field"}), json.dumps({"text": "гены киборя фы."})]
+    _write(c / "bb" / "b.jsonl.gz", gzip.compress(("\n".join(lines) + "\n").encode()))
+    _write(c / "cc" / "only-empty.txt", b"\n\n")  # a language without text
+    (c / "dd").mkdir()  # a language folder without files
+    return c
+
+
+def test_skips_are_counted_and_reported(messy_corpus, tokenizer, tmp_path):
+    m = preprocess(small_config(messy_corpus, tmp_path / "out", tokenizer, max_line_bytes=4096,
+                                valid_fraction=0.0))
+    s = m["skipped"]
+    assert s["blank_lines"] == 4  # 2 in aa/a.txt, 2 in cc/only-empty.txt
+    assert s["bad_utf8_lines"] == 1
+    assert s["long_lines"] == 1
+    assert s["bad_json_lines"] == 2
+    assert s["empty_files"] == 1
+    assert sorted(s["unknown_files"]) == ["README", "aa/notes.pdf"]
+    assert sorted(s["empty_languages"]) == ["cc", "dd"]
+    assert m["languages"]["aa"]["documents"] == 5 and m["languages"]["bb"]["documents"] == 2
+    assert {sh["language"] for sh in m["shards"]} == {"aa", "bb"}
+
+
+def test_tokenizer_training_skips_the_same(messy_corpus, tmp_path):
+    info = train_tokenizer(messy_corpus, tmp_path / "spm", vocab_size=60, num_threads=1,
+                           max_line_bytes=4096, hard_vocab_limit=False)
+    assert info["skipped"]["bad_utf8_lines"] == 1 and info["skipped"]["long_lines"] == 1
+    assert set(info["languages"]) == {"aa", "bb", "cc"} and info["languages"]["cc"]["sampled"] == 0
+
+
+def test_missing_corpus_folder(tmp_path, tokenizer):
+    with pytest.raises(DataError, match="does not exist"):
+        preprocess(small_config(tmp_path / "nope", tmp_path / "out", tokenizer))
+
+
+def test_unreadable_corpus_folder(tmp_path, monkeypatch):
+    (tmp_path / "c").mkdir()
+
+    def denied(self):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr("pathlib.Path.iterdir", denied)
+    with pytest.raises(DataError, match="cannot read corpus folder"):
+        discover_corpus(tmp_path / "c")
+
+
+def test_only_blank_lines_is_an_error(tmp_path, tokenizer):
+    _write(tmp_path / "c" / "aa" / "x.txt", b"\n  \n\n")
+    with pytest.raises(DataError, match="no text"):
+        train_tokenizer(tmp_path / "c", tmp_path / "spm", vocab_size=50)
+    with pytest.raises(DataError, match="no documents.*blank_lines=3"):
+        preprocess(small_config(tmp_path / "c", tmp_path / "out", tokenizer))
+
+
+def test_corpus_without_any_text(tmp_path):
+    _write(tmp_path / "c" / "aa" / "x.csv", b"a,b")
+    with pytest.raises(DataError, match="no language folder"):
+        discover_corpus(tmp_path / "c")
+
+
+def test_bad_language_folder_name(tmp_path):
+    _write(tmp_path / "c" / "en us" / "x.txt", b"hello\n")
+    with pytest.raises(DataError, match="en us"):
+        discover_corpus(tmp_path / "c")
+
+
+def test_truncated_gzip_names_the_file(tmp_path, tokenizer):
+    data = gzip.compress(("hello world, some text\n" * 2000).encode())
+    _write(tmp_path / "c" / "aa" / "t.txt.gz", data[: len(data) // 2])
+    with pytest.raises(DataError, match=r"t\.txt\.gz"):
+        preprocess(small_config(tmp_path / "c", tmp_path / "out", tokenizer))
+
+
+def test_unreadable_file_names_it(tmp_path, tokenizer, monkeypatch):
+    _write(tmp_path / "c" / "aa" / "x.txt", b"hello\n")
+    real_open = open
+
+    def fake_open(path, *a, **k):
+        if str(path).endswith("x.txt"):
+            raise PermissionError(13, "Permission denied")
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr("builtins.open", fake_open)
+    with pytest.raises(DataError, match=r"x\.txt"):
+        preprocess(small_config(tmp_path / "c", tmp_path / "out", tokenizer))
+
+
+def test_missing_tokenizer(tmp_path, corpus):
+    with pytest.raises(DataError, match="not found"):
+        preprocess(small_config(corpus, tmp_path / "out", tmp_path / "none.model"))
