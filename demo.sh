@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The whole path on one CPU machine, from nothing: install, a synthetic multilingual corpus,
+# a SentencePiece tokenizer, Arrow shards, and the tiny model trained on 2 processes (gloo).
+# A few minutes on 2 cores (the first DeepSpeed run builds a small op, ~90 s, then cached).
+set -euo pipefail
+cd "$(dirname "$0")"
+OUT=${DEMO_OUT:-demo_out}
+
+python3 -m venv .venv
+. .venv/bin/activate
+pip install -q torch==2.13.0   # pinned: the CPU build; a bare 'torch' would pull a CUDA build
+pip install -q -e .
+
+python data_tools/make_demo_corpus.py --out "$OUT/corpus" --size-mb 4
+python data_tools/train_tokenizer.py --corpus "$OUT/corpus" --out "$OUT/tokenizer/spm" \
+    --vocab-size 1000
+python data_tools/preprocess.py --corpus "$OUT/corpus" --tokenizer "$OUT/tokenizer/spm.model" \
+    --out "$OUT/data" --seq-length 64 --valid-fraction 0.02 --no-progress
+python data_tools/inspect_shards.py "$OUT/data" --verify
+
+# Resumes from $OUT/checkpoints/latest if a previous demo run was interrupted.
+torchrun --standalone --nproc_per_node 2 train.py --config configs/demo.yaml \
+    --set data.path="$OUT/data" --set data.tokenizer="$OUT/tokenizer/spm.model" \
+    --set train.save_dir="$OUT/checkpoints" --set train.log_dir="$OUT/logs"
+
+python - "$OUT" <<'PY'
+import json, sys
+out = sys.argv[1]
+rows = [json.loads(l) for l in open(f"{out}/logs/metrics.jsonl")]
+train = [r for r in rows if r["split"] == "train"]
+valid = [r for r in rows if r["split"] == "valid"]
+print(f"\ntraining loss {train[0]['loss']:.3f} (step {train[0]['step']}) -> "
+      f"{train[-1]['loss']:.3f} (step {train[-1]['step']}); "
+      f"MLM accuracy {train[0]['mlm_acc']:.1%} -> {train[-1]['mlm_acc']:.1%}")
+if valid:
+    print(f"validation loss {valid[-1]['loss']:.3f}, accuracy {valid[-1]['mlm_acc']:.1%}")
+print(f"""
+corpus       {out}/corpus
+tokenizer    {out}/tokenizer/spm.model
+dataset      {out}/data  (python data_tools/inspect_shards.py {out}/data --decode 3 --tokenizer {out}/tokenizer/spm.model)
+checkpoints  {out}/checkpoints  (latest: {open(f"{out}/checkpoints/latest").read().strip()})
+metrics      {out}/logs/metrics.jsonl
+TensorBoard  . .venv/bin/activate && tensorboard --logdir {out}/logs""")
+PY
