@@ -16,12 +16,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 from megatron_rembert.model.mlm_head import MLMLoss
 from megatron_rembert.model.pipeline import pipeline_layer_builders, pipeline_layer_costs
 from megatron_rembert.model.rembert import RemBertForPreTraining
 from megatron_rembert.parallel import state
 from megatron_rembert.parallel.layers import init_weights
+from megatron_rembert.parallel.random import checkpoint_safe
 from megatron_rembert.training.config import Config
 from megatron_rembert.training.optim import build_optimizer, build_scheduler, deepspeed_config
 
@@ -50,6 +52,12 @@ def _stats_tensor(out: MLMLoss) -> torch.Tensor:
                         out.num_correct.detach().float()]).cpu()
 
 
+def _recompute(function, *args):
+    """Activation checkpointing for pipeline layers, as for pp = 1 (RemBertModel): torch's
+    non-reentrant checkpoint, with the TP dropout stream replayed in the recomputation."""
+    return checkpoint(checkpoint_safe(function), *args, use_reentrant=False)
+
+
 def _build_pipeline(config: Config, dp: int):
     from deepspeed.pipe import LayerSpec, PipelineModule
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
@@ -67,7 +75,8 @@ def _build_pipeline(config: Config, dp: int):
     specs = [LayerSpec(cls, *args) for cls, args in pipeline_layer_builders(config.model)]
     module = RemBertPipelineModule(
         layers=specs, topology=topology, partition_method="parameters",
-        activation_checkpoint_interval=1 if config.parallel.activation_checkpointing else 0)
+        activation_checkpoint_interval=1 if config.parallel.activation_checkpointing else 0,
+        activation_checkpoint_func=_recompute, checkpointable_layers=["TransformerLayerPipe"])
     for layer in module.forward_funcs:
         init_weights(layer, config.train.seed, config.model.initializer_range,
                      prefix=layer.pipe_prefix)
