@@ -135,7 +135,19 @@ def read_meta(folder: Path) -> dict:
 
 
 def load_checkpoint(engine, folder: Path, same_layout: bool) -> ResumeState:
-    """Restore model, optimizer, LR schedule, loss scaler and (same layout) RNG states."""
+    """Restore model, optimizer, LR schedule, loss scaler and (same layout) RNG states.
+
+    A portable checkpoint (written by `python -m megatron_rembert.convert from-hf` or
+    `reshard`; see megatron_rembert/convert/portable.py) loads at any layout: weights, and
+    unless `weights_only` the optimizer state; RNG states are not carried.
+    """
+    meta = read_meta(folder)
+    if meta.get("format", "").startswith("megatron-rembert-portable"):
+        from megatron_rembert.convert.portable import load_portable
+
+        load_portable(engine, folder, meta)
+        return ResumeState(step=int(meta["step"]), consumed_samples=int(meta["consumed_samples"]),
+                           path=folder)
     path, client = engine.load_checkpoint(str(folder.parent), tag=folder.name,
                                           load_optimizer_states=True,
                                           load_lr_scheduler_states=True)

@@ -104,13 +104,14 @@ def _resume(trainer, config: Config, world: int) -> tuple[int, int]:
     meta = ckpt.read_meta(folder)
     old = meta["config"]["model"]
     new = config.to_dict()["model"]
-    changed = sorted(k for k in new if k not in ("loss_backend", "attention_backend")
+    changed = sorted(k for k in new if k not in ("loss_backend", "attention_backend", "preset")
                      and old.get(k) != new[k])
     if changed:
         raise ckpt.CheckpointError(
             f"{folder}: the checkpoint's model differs from the config in {changed}; resume "
             "with the same model or use a different train.save_dir")
-    if meta["config"]["train"]["global_batch_size"] != config.train.global_batch_size:
+    if (not meta.get("weights_only")  # a converted model: any batch size, from step 0
+            and meta["config"]["train"]["global_batch_size"] != config.train.global_batch_size):
         raise ckpt.CheckpointError(
             f"{folder}: trained with train.global_batch_size="
             f"{meta['config']['train']['global_batch_size']}, the config says "

@@ -1,0 +1,31 @@
+"""Train at tp=2 x pp=2, reshard, continue: the losses of continuing without resharding."""
+
+import pytest
+
+from megatron_rembert.convert.__main__ import main
+from tests.convert.workers import overrides, train_worker
+from tests.distributed import run_distributed
+
+TINY = {"preset": "tiny"}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """3 steps at tp=2 x pp=2 (saved), then 3 more: the reference continuation."""
+    root = tmp_path_factory.mktemp("reshard")
+    save = root / "src"
+    losses = run_distributed(train_worker, 4, TINY, overrides(2, 2), None, 0, 6,
+                             (str(save), 3), timeout=400)[0]
+    return save / "step_00000003", losses[3:]
+
+
+@pytest.mark.parametrize("tp, pp, world, zero", [(1, 1, 2, 2), (3, 1, 3, 1)])
+def test_reshard_continues_exactly(trained, tmp_path, tp, pp, world, zero):
+    step_dir, expected = trained
+    out = tmp_path / "resharded"
+    assert main(["reshard", "--checkpoint", str(step_dir), "--out", str(out), "--tp", str(tp),
+                 "--pp", str(pp)]) == 0
+    losses = run_distributed(train_worker, world, TINY, overrides(tp, pp, zero),
+                             str(out / "step_00000003"), 3, 3, None, timeout=300)[0]
+    print("resharded", tp, pp, losses, "reference", expected)
+    assert losses == pytest.approx(expected, rel=1e-5)
