@@ -4,7 +4,7 @@ Two kinds of `step_XXXXXXXX/` folders are read:
 - DeepSpeed's files as the trainer saves them (pp = 1: `mp_rank_{tp}_model_states.pt` with the
   TP shard under `module`; pp > 1: `layer_{idx}-model_{tp}-model_states.pt` per pipeline layer;
   ZeRO-1/2 optimizer partitions `zero_pp_rank_{dp}_mp_rank_{pp*tp+tp}_optim_states.pt`);
-- the portable format (`megatron_rembert.convert.portable`): full tensors per pipeline layer.
+- the portable format (`megatron_rembert.training.portable`): full tensors per pipeline layer.
 
 Both give full (TP-merged) tensors with the vocabulary padding stripped, one at a time; files
 are memory-mapped, so the peak memory is about one full tensor.
@@ -20,13 +20,11 @@ from pathlib import Path
 import torch
 
 from megatron_rembert.config import ModelConfig
-from megatron_rembert.convert.files import ConvertError, safe_open_checked, torch_load_weights
+from megatron_rembert.convert.files import ConvertError, torch_load_weights
 from megatron_rembert.parallel import state
 from megatron_rembert.training.checkpoint import COMPLETE, read_meta
 from megatron_rembert.training.config import Config, build_config
-
-PORTABLE_FORMAT = "megatron-rembert-portable-v1"
-OPTIM_KEYS = ("exp_avg", "exp_avg_sq")
+from megatron_rembert.training.portable import PORTABLE_FORMAT, read_index, safe_open_checked
 
 
 @contextmanager
@@ -129,8 +127,6 @@ class CheckpointReader:
         self._files: dict[Path, object] = {}
         self._optim_index: dict[tuple[int, str], list] | None = None
         if self.portable:
-            from megatron_rembert.convert.portable import read_index
-
             self._portable_index = read_index(self.folder)
 
     # -- model weights -----------------------------------------------------------------

@@ -86,36 +86,6 @@ class SafetensorsWriter:
             self._file.close()
 
 
-@contextmanager
-def safe_open_checked(path: str | Path):
-    """`safetensors.safe_open` that names the file when it is missing, truncated or corrupt."""
-    from safetensors import safe_open
-
-    path = Path(path)
-    if not path.is_file():
-        raise ConvertError(f"{path}: no such file")
-    try:
-        handle = safe_open(str(path), framework="pt")
-    except Exception as err:  # noqa: BLE001 - safetensors raises several error types
-        raise ConvertError(f"{path}: not a valid safetensors file ({err}); it may be "
-                           "truncated: copy it again") from err
-    _check_safetensors_size(path)
-    with handle as f:
-        yield f
-
-
-def _check_safetensors_size(path: Path) -> None:
-    """safe_open maps the file lazily; check up front that every tensor's bytes are there."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"),
-              default=0)
-    if path.stat().st_size < 8 + n + end:
-        raise ConvertError(f"{path}: truncated ({path.stat().st_size} bytes, the header "
-                           f"promises {8 + n + end}); copy it again")
-
-
 def torch_load_weights(path: str | Path, mmap: bool = True, allowed: tuple = ()) -> object:
     """`torch.load(weights_only=True)`, memory-mapped; refuses pickles that carry code.
 

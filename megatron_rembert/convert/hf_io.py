@@ -12,7 +12,6 @@ from megatron_rembert.convert.checkpoint_io import CheckpointReader, ParamSpec, 
 from megatron_rembert.convert.files import (
     ConvertError,
     SafetensorsWriter,
-    safe_open_checked,
     staged_output,
     torch_load_weights,
 )
@@ -26,6 +25,7 @@ from megatron_rembert.convert.hf import (
 from megatron_rembert.convert.portable import write_portable
 from megatron_rembert.convert.tokenizer_files import check_tokenizer, write_tokenizer
 from megatron_rembert.training.config import Config, load_config
+from megatron_rembert.training.portable import safe_open_checked
 
 
 def _count(specs: list[ParamSpec]) -> int:

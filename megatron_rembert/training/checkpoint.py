@@ -138,12 +138,12 @@ def load_checkpoint(engine, folder: Path, same_layout: bool) -> ResumeState:
     """Restore model, optimizer, LR schedule, loss scaler and (same layout) RNG states.
 
     A portable checkpoint (written by `python -m megatron_rembert.convert from-hf` or
-    `reshard`; see megatron_rembert/convert/portable.py) loads at any layout: weights, and
-    unless `weights_only` the optimizer state; RNG states are not carried.
+    `reshard`; see training/portable.py) loads at any layout: weights, and unless
+    `weights_only` the optimizer state; RNG states are not carried.
     """
     meta = read_meta(folder)
     if meta.get("format", "").startswith("megatron-rembert-portable"):
-        from megatron_rembert.convert.portable import load_portable
+        from megatron_rembert.training.portable import load_portable  # imports this module
 
         load_portable(engine, folder, meta)
         return ResumeState(step=int(meta["step"]), consumed_samples=int(meta["consumed_samples"]),

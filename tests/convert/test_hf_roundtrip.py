@@ -62,8 +62,8 @@ def test_from_hf_to_hf_round_trip_and_logits(tmp_path):
 
 def _load_into_module(model, folder):
     """Through the trainer's loader, with a plain module standing in for the engine."""
-    from megatron_rembert.convert.portable import load_portable
     from megatron_rembert.training.checkpoint import read_meta
+    from megatron_rembert.training.portable import load_portable
 
     class Engine:
         module = model
