@@ -34,13 +34,16 @@ if [[ ${1:-} == stop ]]; then
     exit 0
 fi
 [[ $# -eq 0 ]] || die "unknown argument '$1'; usage: bash slurm/ci_setup.sh [stop]"
-[[ $(id -u) -eq 0 ]] || die "needs root (installs packages, runs munged and slurmd as root)"
+# Without root or the packages there is no cluster: say so and let tests/slurm skip.
+skip() { echo "ci_setup.sh: $*; the tests in tests/slurm will skip" >&2; exit 0; }
+[[ $(id -u) -eq 0 ]] || skip "not root (installs packages, runs munged and slurmd as root)"
 
 if ! command -v sbatch >/dev/null || ! command -v slurmctld >/dev/null \
         || ! command -v slurmd >/dev/null || ! command -v munged >/dev/null \
         || ! command -v pkill >/dev/null; then
-    apt-get update -q
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurmctld slurmd slurm-client munge procps
+    command -v apt-get >/dev/null || skip "no apt-get to install Debian's SLURM packages"
+    { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+        slurmctld slurmd slurm-client munge procps; } || skip "installing the SLURM packages failed"
 fi
 
 # munge authenticates every SLURM message; one key shared by all daemons on this host.
