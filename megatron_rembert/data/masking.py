@@ -61,21 +61,87 @@ def _word_ids(ids: np.ndarray, cand: np.ndarray, word_starts: np.ndarray,
     return np.where(cand, wid, -1)
 
 
-def _choose(ids: np.ndarray, cand: np.ndarray, k: int, rng: np.random.Generator,
-            cfg: MaskingConfig, word_starts: np.ndarray | None) -> np.ndarray:
-    positions = np.flatnonzero(cand)
-    if not cfg.whole_word_mask:
-        return np.sort(rng.choice(positions, size=k, replace=False))
-    wid = _word_ids(ids, cand, word_starts, cfg.max_word_pieces)[positions]
-    lengths = np.bincount(wid)
-    chosen, covered = [], 0
-    for w in rng.permutation(len(lengths)).tolist():
+def _greedy_words(order: np.ndarray, lengths: np.ndarray, k: int) -> list[int]:
+    """Words in `order`, each taken if it still fits in k pieces, until exactly k are covered.
+
+    Same result as the plain loop over `order`, but the leading run of words that all fit
+    (usually most of them) is found with one cumsum; Python only walks the tail after the first
+    word that would overshoot."""
+    cum = np.cumsum(lengths[order])
+    j = int(np.searchsorted(cum, k, side="right"))  # order[:j] fit, order[j] would overshoot
+    chosen = order[:j].tolist()
+    covered = int(cum[j - 1]) if j else 0
+    if covered == k:
+        return chosen
+    for w in order[j:].tolist():
         if covered + lengths[w] <= k:
             chosen.append(w)
             covered += int(lengths[w])
             if covered == k:
                 break
-    return positions[np.isin(wid, chosen)]
+    return chosen
+
+
+def _batch_word_ids(ids: np.ndarray, cand: np.ndarray, word_starts: np.ndarray,
+                    max_word_pieces: int) -> np.ndarray:
+    """[B, S] `_word_ids` of every row at once (numbering restarts at 0 in each row): the same
+    steps on the flattened batch, where word numbers simply run on across rows."""
+    prev = np.zeros_like(cand)
+    prev[:, 1:] = cand[:, :-1]  # False at each row's start: a row never continues a word
+    starts = (cand & (word_starts[ids] | ~prev)).ravel()
+    flat_cand = cand.ravel()
+    wid = np.cumsum(starts) - 1
+    lengths = np.bincount(wid[flat_cand], minlength=max(int(wid.max()) + 1, 1))
+    starts |= flat_cand & (lengths[np.maximum(wid, 0)] > max_word_pieces)
+    wid = (np.cumsum(starts) - 1).reshape(cand.shape)
+    # a row's first candidate always starts a word, so its number is the row's first number
+    first = np.cumsum(starts.reshape(cand.shape).sum(1)) - starts.reshape(cand.shape).sum(1)
+    return np.where(cand, wid - first[:, None], -1)
+
+
+def _choose(ids: np.ndarray, cand: np.ndarray, k: int, rng: np.random.Generator,
+            cfg: MaskingConfig, word_starts: np.ndarray | None,
+            word_ids: np.ndarray | None = None) -> np.ndarray:
+    positions = np.flatnonzero(cand)
+    if not cfg.whole_word_mask:
+        return np.sort(rng.choice(positions, size=k, replace=False))
+    if word_ids is None:
+        word_ids = _word_ids(ids, cand, word_starts, cfg.max_word_pieces)
+    wid = word_ids[positions]
+    lengths = np.bincount(wid)
+    chosen = _greedy_words(rng.permutation(len(lengths)), lengths, k)
+    # boolean lookup instead of np.isin(wid, chosen): same positions, no sort of `chosen`
+    taken = np.zeros(len(lengths), dtype=bool)
+    taken[chosen] = True
+    return positions[taken[wid]]
+
+
+def _candidates(ids: np.ndarray, cfg: MaskingConfig) -> np.ndarray:
+    """Bool mask (any shape) of maskable tokens: not PAD, CLS, SEP or MASK. Four compares
+    instead of np.isin, which sorts and costs more than the masking itself for one row."""
+    never = cfg.special_ids.never_masked()
+    cand = ids != never[0]
+    for t in never[1:]:
+        cand &= ids != t
+    return cand
+
+
+def _mask_row(ids: np.ndarray, cand: np.ndarray, index: int, cfg: MaskingConfig,
+              word_starts: np.ndarray | None, first_regular: int,
+              word_ids: np.ndarray | None = None):
+    """The random part of masking one row: (chosen positions, their new ids), or None when
+    the row has no candidate. `ids` int64 [S], `cand` its candidate mask."""
+    rng = rng_for(cfg.seed, MASK_STREAM, int(index))
+    n = int(cand.sum())
+    k = 0 if n == 0 else min(cfg.max_predictions, max(1, int(n * cfg.mask_prob + 0.5)))
+    if k == 0:
+        return None
+    chosen = _choose(ids, cand, k, rng, cfg, word_starts, word_ids)
+    u = rng.random(len(chosen))
+    random_ids = rng.integers(first_regular, cfg.vocab_size, len(chosen))
+    new = np.where(u < cfg.replace_prob, cfg.special_ids.mask,
+                   np.where(u < cfg.replace_prob + cfg.random_prob, random_ids, ids[chosen]))
+    return chosen, new
 
 
 def mask_sequence(ids: np.ndarray, index: int, cfg: MaskingConfig,
@@ -85,21 +151,14 @@ def mask_sequence(ids: np.ndarray, index: int, cfg: MaskingConfig,
     if cfg.whole_word_mask and word_starts is None:
         raise ValueError("whole_word_mask needs the word_starts table (ShardDataset.word_starts)")
     ids = np.asarray(ids, dtype=np.int64)
-    rng = rng_for(cfg.seed, MASK_STREAM, int(index))
-    cand = ~np.isin(ids, cfg.special_ids.never_masked())
-    n = int(cand.sum())
-    k = 0 if n == 0 else min(cfg.max_predictions, max(1, int(n * cfg.mask_prob + 0.5)))
     out = ids.copy()
     P = cfg.max_predictions
     positions, labels = np.zeros(P, np.int64), np.zeros(P, np.int64)
     weights = np.zeros(P, np.float32)
-    if k == 0:
+    picked = _mask_row(ids, _candidates(ids, cfg), index, cfg, word_starts, cfg.first_regular_id)
+    if picked is None:
         return out, positions, labels, weights
-    chosen = _choose(ids, cand, k, rng, cfg, word_starts)
-    u = rng.random(len(chosen))
-    random_ids = rng.integers(cfg.first_regular_id, cfg.vocab_size, len(chosen))
-    new = np.where(u < cfg.replace_prob, cfg.special_ids.mask,
-                   np.where(u < cfg.replace_prob + cfg.random_prob, random_ids, ids[chosen]))
+    chosen, new = picked
     out[chosen] = new
     m = len(chosen)
     positions[:m], labels[:m], weights[:m] = chosen, ids[chosen], 1.0
@@ -111,13 +170,39 @@ def mask_batch(ids: np.ndarray, indices: np.ndarray, cfg: MaskingConfig,
     """ids [B, S] + global sample indices [B] -> the batch dict:
     input_ids [B,S] int64, attention_mask [B,S] float32 (1 real, 0 pad), token_type_ids [B,S]
     int64 (zeros), masked_positions [B,P] int64, masked_labels [B,P] int64,
-    masked_weights [B,P] float32."""
-    rows = [mask_sequence(r, i, cfg, word_starts) for r, i in zip(ids, indices, strict=True)]
-    input_ids, positions, labels, weights = (np.stack(x) for x in zip(*rows, strict=True))
+    masked_weights [B,P] float32.
+
+    Row for row the same as `mask_sequence`; the work that does not depend on the row's
+    generator (int64 conversion, candidates, output arrays) is done once for the batch."""
+    if cfg.whole_word_mask and word_starts is None:
+        raise ValueError("whole_word_mask needs the word_starts table (ShardDataset.word_starts)")
+    src = np.asarray(ids)
+    ids64 = src.astype(np.int64)  # a copy: becomes input_ids once the masks are written in
+    B, P = ids64.shape[0], cfg.max_predictions
+    cand = _candidates(ids64, cfg)
+    first_regular = cfg.first_regular_id  # a dataclass walk: once per batch, not per row
+    positions, labels = np.zeros((B, P), np.int64), np.zeros((B, P), np.int64)
+    weights = np.zeros((B, P), np.float32)
+    wids = (_batch_word_ids(ids64, cand, word_starts, cfg.max_word_pieces)
+            if cfg.whole_word_mask else None)
+    rows, cols, news = [], [], []
+    for r, index in enumerate(np.asarray(indices).tolist()):
+        picked = _mask_row(ids64[r], cand[r], index, cfg, word_starts, first_regular,
+                           None if wids is None else wids[r])
+        if picked is None:
+            continue
+        chosen, new = picked
+        m = len(chosen)
+        positions[r, :m], labels[r, :m], weights[r, :m] = chosen, ids64[r, chosen], 1.0
+        rows.append(np.full(m, r))
+        cols.append(chosen)
+        news.append(new)
+    if rows:  # one scatter for the batch, after every label has been read from the originals
+        ids64[np.concatenate(rows), np.concatenate(cols)] = np.concatenate(news)
     return {
-        "input_ids": input_ids,
-        "attention_mask": (np.asarray(ids) != cfg.special_ids.pad).astype(np.float32),
-        "token_type_ids": np.zeros_like(input_ids),
+        "input_ids": ids64,
+        "attention_mask": (src != cfg.special_ids.pad).astype(np.float32),
+        "token_type_ids": np.zeros_like(ids64),
         "masked_positions": positions,
         "masked_labels": labels,
         "masked_weights": weights,

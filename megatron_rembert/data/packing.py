@@ -20,8 +20,23 @@ class Packer:
         self.rows = [rows.astype(np.int32)] if len(rows) else []
 
     @property
+    def rows(self) -> list[np.ndarray]:
+        return self._rows
+
+    @rows.setter
+    def rows(self, value: list[np.ndarray]) -> None:
+        self._rows = value
+        self._n_rows = sum(len(r) for r in value)
+
+    @property
     def n_rows(self) -> int:
-        return sum(len(r) for r in self.rows)
+        # Kept as a running count: the caller asks after every document, and summing over a
+        # list that grows with every document made preprocessing quadratic in the shard size.
+        return self._n_rows
+
+    def _append(self, rows: np.ndarray) -> None:
+        self._rows.append(rows)
+        self._n_rows += len(rows)
 
     def _make(self, pieces: np.ndarray) -> np.ndarray:  # [n, S-2] -> [n, S]
         out = np.full((len(pieces), self.S), self.ids.pad, dtype=np.int32)
@@ -33,10 +48,10 @@ class Packer:
         if len(self.buf) + 1 >= content:
             self.flush_partial()  # no room for [SEP] + text: avoid a row ending in [SEP] [SEP]
         sep = [np.array([self.ids.sep], np.int32)] if len(self.buf) else []
-        buf = np.concatenate([self.buf, *sep, doc.astype(np.int32)])
+        buf = np.concatenate([self.buf, *sep, np.asarray(doc, dtype=np.int32)])
         n = len(buf) // content
         if n:
-            self.rows.append(self._make(buf[: n * content].reshape(n, content)))
+            self._append(self._make(buf[: n * content].reshape(n, content)))
         self.buf = buf[n * content:].copy()
 
     def flush_partial(self) -> None:
@@ -45,7 +60,7 @@ class Packer:
             row = np.full((1, self.S), self.ids.pad, dtype=np.int32)
             row[0, 0], row[0, 1: 1 + len(self.buf)] = self.ids.cls, self.buf
             row[0, 1 + len(self.buf)] = self.ids.sep
-            self.rows.append(row)
+            self._append(row)
             self.buf = np.zeros(0, np.int32)
 
     def take(self, n: int) -> np.ndarray:

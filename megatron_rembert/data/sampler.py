@@ -122,11 +122,13 @@ class MultilingualSampler:
             pick[sel] = picks[indices[sel] % self.block_size]
         n_rows = self.rows[lang]
         epoch, pos = pick // n_rows, pick % n_rows
-        row = np.empty(len(indices), dtype=np.int64)
+        # One vectorised Feistel pass over all samples, each with its own (lang, epoch) keys
+        # and width, rather than one pass per (lang, epoch) group: a micro-batch touches most
+        # languages, and each pass is a dozen numpy calls on a handful of elements.
+        keys = np.empty((len(indices), 4), dtype=np.uint64)
         for l, e in set(zip(lang.tolist(), epoch.tolist(), strict=True)):
-            sel = (lang == l) & (epoch == e)
-            row[sel] = feistel_permute(pos[sel], int(self.rows[l]), self._keys(l, e))
-        return lang, row
+            keys[(lang == l) & (epoch == e)] = self._keys(l, e)
+        return lang, _feistel(pos, n_rows, keys)
 
 
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
@@ -141,19 +143,31 @@ def _mix(x: np.ndarray) -> np.ndarray:
 
 def feistel_permute(x: np.ndarray, n: int, keys: np.ndarray) -> np.ndarray:
     """A keyed bijection of [0, n), applied elementwise to x [N] (values in [0, n))."""
-    half = max(1, ((max(n - 1, 1)).bit_length() + 1) // 2)
-    mask = np.uint64((1 << half) - 1)
+    x = np.asarray(x)
+    return _feistel(x, np.full(len(x), n, dtype=np.int64),
+                    np.broadcast_to(np.asarray(keys, dtype=np.uint64), (len(x), len(keys))))
+
+
+def _feistel(x: np.ndarray, n: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """`feistel_permute` with a domain size n [N] and round keys [N, R] per element."""
+    n = np.asarray(n, dtype=np.int64)
+    # half = max(1, (bit_length(max(n - 1, 1)) + 1) // 2), elementwise; frexp's exponent of a
+    # positive integer below 2^53 is exactly its bit length
+    bits = np.frexp(np.maximum(n - 1, 1).astype(np.float64))[1].astype(np.uint64)
+    half = np.maximum((bits + np.uint64(1)) // np.uint64(2), np.uint64(1))
+    mask = (np.uint64(1) << half) - np.uint64(1)
+    limit = n.astype(np.uint64)
     out = np.asarray(x, dtype=np.uint64).copy()
     todo = np.ones(len(out), dtype=bool)
     with np.errstate(over="ignore"):
         while todo.any():  # cycle-walking: re-apply until the value lands inside [0, n)
-            v = out[todo]
-            left, right = v >> np.uint64(half), v & mask
-            for k in keys:
-                left, right = right, left ^ (_mix(right ^ k) & mask)
-            v = (left << np.uint64(half)) | right
+            v, h, m = out[todo], half[todo], mask[todo]
+            left, right = v >> h, v & m
+            for k in keys[todo].T:
+                left, right = right, left ^ (_mix(right ^ k) & m)
+            v = (left << h) | right
             out[todo] = v
-            todo[todo] = v >= np.uint64(n)
+            todo[todo] = v >= limit[todo]
     return out.astype(np.int64)
 
 
