@@ -2,16 +2,24 @@
 # The whole path on one CPU machine, from nothing: install, a synthetic multilingual corpus,
 # a SentencePiece tokenizer, Arrow shards, and the tiny model trained on 2 processes (gloo).
 # A few minutes on 2 cores (the first DeepSpeed run builds a small op, ~90 s, then cached).
+# ./demo.sh --quick: a 1 MB corpus and 40 steps, for CI. DEMO_OUT=DIR writes elsewhere.
 set -euo pipefail
 cd "$(dirname "$0")"
 OUT=${DEMO_OUT:-demo_out}
+SIZE_MB=4
+TRAIN_ARGS=()
+if [ "${1:-}" = "--quick" ]; then
+    SIZE_MB=1
+    TRAIN_ARGS=(--set train.steps=40 --set train.eval_interval=20 --set train.save_interval=20
+                --set train.log_interval=5)
+fi
 
 python3 -m venv .venv
 . .venv/bin/activate
 pip install -q torch==2.13.0   # pinned: the CPU build; a bare 'torch' would pull a CUDA build
 pip install -q -e .
 
-python data_tools/make_demo_corpus.py --out "$OUT/corpus" --size-mb 4
+python data_tools/make_demo_corpus.py --out "$OUT/corpus" --size-mb "$SIZE_MB"
 python data_tools/train_tokenizer.py --corpus "$OUT/corpus" --out "$OUT/tokenizer/spm" \
     --vocab-size 1000
 python data_tools/preprocess.py --corpus "$OUT/corpus" --tokenizer "$OUT/tokenizer/spm.model" \
@@ -21,7 +29,8 @@ python data_tools/inspect_shards.py "$OUT/data" --verify
 # Resumes from $OUT/checkpoints/latest if a previous demo run was interrupted.
 torchrun --standalone --nproc_per_node 2 train.py --config configs/demo.yaml \
     --set data.path="$OUT/data" --set data.tokenizer="$OUT/tokenizer/spm.model" \
-    --set train.save_dir="$OUT/checkpoints" --set train.log_dir="$OUT/logs"
+    --set train.save_dir="$OUT/checkpoints" --set train.log_dir="$OUT/logs" \
+    ${TRAIN_ARGS[@]+"${TRAIN_ARGS[@]}"}
 
 python - "$OUT" <<'PY'
 import json, sys

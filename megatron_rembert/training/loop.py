@@ -168,10 +168,11 @@ def train(config: Config) -> dict:
                 "grad_norm": stats.grad_norm, "loss_scale": stats.loss_scale,
                 "skipped": stats.skipped, "tokens_per_s": tokens_per_s,
                 "masked_tokens": stats.masked_tokens, "consumed_samples": consumed,
-                "memory_gib": memory_gib(device)}
+                "memory": memory_gib(device),
+                # Model FLOP/s per process (the summary CLI's count); MFU only on known GPUs.
+                "tflops_per_gpu": flops_token * tokens_per_s / world / 1e12}
         if peak is not None:
-            tflops = flops_token * tokens_per_s / world
-            last.update(tflops_per_gpu=tflops / 1e12, mfu=tflops / peak)
+            last["mfu"] = last["tflops_per_gpu"] * 1e12 / peak
         if step % train_cfg.log_interval == 0 or step == train_cfg.steps:
             log.log(step, last)
             log.console(format_line(step, train_cfg.steps, last))

@@ -22,7 +22,7 @@ def peak_flops(device: torch.device) -> float | None:
 
 
 def memory_gib(device: torch.device) -> float:
-    """Peak allocated GPU memory, or the process's peak resident memory on CPU."""
+    """Peak allocated GPU memory, or the process's peak resident memory on CPU (GiB)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # kB on Linux
@@ -73,5 +73,5 @@ def format_line(step: int, total: int, v: dict) -> str:
     parts.append(f"{v['tokens_per_s']:,.0f} tok/s")
     if v.get("mfu") is not None:
         parts.append(f"{v['tflops_per_gpu']:.1f} TFLOP/s/GPU mfu {v['mfu']:.1%}")
-    parts.append(f"mem {v['memory_gib']:.2f} GiB")
+    parts.append(f"mem {v['memory']:.2f} GiB")
     return " | ".join(parts)

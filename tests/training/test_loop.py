@@ -42,7 +42,7 @@ def _train(rank, world_size, sets, signal_at=None, die_saving_step=None, nan_fro
         stats = real_step(self, batches)
         calls["n"] += 1
         if signal_at is not None and calls["n"] == signal_at and rank == world_size - 1:
-            os.kill(os.getpid(), signal.SIGUSR1)  # only one rank is told; all must stop
+            os.kill(os.getpid(), signal.SIGTERM)  # only one rank is told; all must stop
         if nan_from is not None and calls["n"] >= nan_from:
             stats.loss = float("nan")
         return stats
@@ -67,6 +67,13 @@ def uninterrupted(tmp_path_factory, tiny_dataset):
     run_distributed(_train, 2, overrides(tmp, *tiny_dataset))
     result = losses(tmp / "logs")
     assert sorted(result) == list(range(1, STEPS + 1))
+    row = json.loads((tmp / "logs" / "metrics.jsonl").read_text().splitlines()[0])
+    for key in ("step", "loss", "mlm_acc", "lr", "grad_norm", "loss_scale", "tokens_per_s",
+                "tflops_per_gpu", "memory", "consumed_samples"):
+        assert key in row, key
+    assert "mfu" not in row  # no peak FLOP/s on CPU
+    assert row["consumed_samples"] == 8 and row["lr"] > 0
+    assert list((tmp / "logs").glob("events.out.tfevents.*"))  # TensorBoard
     assert len(losses(tmp / "logs", "valid")) == 2  # validation at steps 3 and 6
     return result
 
