@@ -140,3 +140,14 @@ def test_cli_dry_run_and_errors():
                          text=True, timeout=120)
     assert bad.returncode == 2 and "not divisible by parallel.tp=4" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("path", sorted(str(p.relative_to(ROOT))
+                                        for p in (ROOT / "configs").rglob("*.yaml")))
+def test_every_shipped_config_loads_and_plans(path):
+    from megatron_rembert.training.estimate import dry_run_report
+
+    config = load_config(ROOT / path)
+    world = config.parallel.tp * config.parallel.pp * 2  # dp = 2
+    report = dry_run_report(config, world)
+    assert f"model {config.model_preset}:" in report and "total" in report
