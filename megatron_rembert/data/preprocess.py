@@ -7,10 +7,12 @@ pieces of S-2 tokens, each stored as `[CLS] piece [SEP]`; a language's last sequ
 A document goes to the validation split when a hash of (file, line) falls under
 `valid_fraction`: stable across reruns and independent of the worker count.
 
-Restart: after each batch of shards, `.progress/<lang>.json` (+ `.npz` with the carried-over
-tokens) records the input position, so a rerun resumes there and rewrites byte-identical shards;
+Restart: after each batch of shards, `.progress/<lang>.json` records the input position and
+names a new `.progress/<lang>.<n>.npz` with the carried-over tokens (written first, under a
+name no committed json uses), so a rerun resumes there and rewrites byte-identical shards;
 `manifest.json` is written last. A kill at any moment leaves at most a `.tmp-*` file (removed on
-the next run) and never a half-written shard under a final name.
+the next run), an uncommitted `.npz` (removed on resume) and never a half-written shard under a
+final name.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import itertools
 import json
 import multiprocessing as mp
 import os
+import re
 import shutil
 import zlib
 from dataclasses import dataclass
@@ -97,19 +100,27 @@ def is_valid_doc(rel: str, line: int, fraction: float) -> bool:
 
 
 class _Language:
-    """Resumable processing of one language; state lives in `.progress/<lang>.{json,npz}`."""
+    """Resumable processing of one language; state lives in `.progress/<lang>.json`, which
+    names the `.progress/<lang>.<n>.npz` holding the tokens carried over at checkpoint n."""
 
     def __init__(self, cfg: PreprocessConfig, lang: str, files, ids: SpecialIds, progress_dir):
         self.cfg, self.lang, self.files, self.ids = cfg, lang, files, ids
+        self.progress_dir = progress_dir
         self.json_path = progress_dir / f"{lang}.json"
-        self.npz_path = progress_dir / f"{lang}.npz"
         self.out = Path(cfg.output_dir)
         self.state = {"file_idx": 0, "line": 0, "documents": 0, "shards": [], "done": False,
-                      "next_shard": {"train": 0, "valid": 0}, "skipped": dict.fromkeys(_COUNTED, 0)}
+                      "next_shard": {"train": 0, "valid": 0}, "skipped": dict.fromkeys(_COUNTED, 0),
+                      "checkpoints": 0, "arrays": None}
         arrays = {}
         if self.json_path.exists():
             self.state = json.loads(self.json_path.read_text())
-            arrays = dict(np.load(self.npz_path)) if self.npz_path.exists() else {}
+            # `arrays` is absent from the records of older versions, which used `<lang>.npz`.
+            name = self.state.setdefault("arrays", f"{lang}.npz")
+            self.state.setdefault("checkpoints", 0)
+            if (progress_dir / name).exists():
+                with np.load(progress_dir / name) as z:
+                    arrays = dict(z)
+        self._remove_stale_arrays()
         empty_rows = np.zeros((0, cfg.seq_length), np.int32)
         self.packers = {split: Packer(cfg.seq_length, ids,
                                       arrays.get(f"{split}_buf", np.zeros(0, np.int32)),
@@ -126,17 +137,36 @@ class _Language:
             self.state["shards"].append({"file": rel, "split": split, **entry})
             self.state["next_shard"][split] = k + 1
 
+    def _remove_stale_arrays(self) -> None:
+        """Delete this language's `.npz` files other than the committed one: left by a kill
+        between writing a checkpoint's arrays and its json, or before the old file's removal."""
+        mine = re.compile(rf"{re.escape(self.lang)}(\.\d+)?\.npz")
+        for p in self.progress_dir.glob("*.npz"):
+            if p.name != self.state["arrays"] and mine.fullmatch(p.name):
+                p.unlink()
+
     def checkpoint(self, file_idx: int, line: int, skipped: dict, final: bool = False) -> None:
+        """Write the complete shards, then commit them with the input position and carried-over
+        tokens. The json is the only commit point: the arrays go to a new file named in it
+        (never over the committed one), so a kill between the two writes leaves the previous
+        json with its own arrays, not the previous position with the new tokens (which a
+        resume would pack twice)."""
         # Validation rows are flushed at every checkpoint so the saved state stays small.
         self._write_shards("train", final)
         self._write_shards("valid", final=True)
-        self.state.update(file_idx=file_idx, line=line, skipped=skipped, done=final)
         arrays = {f"{s}_{k}": v for s, p in self.packers.items()
                   for k, v in (("buf", p.buf), ("rows", p.take(p.n_rows)))}
         for s, p in self.packers.items():
             p.rows = [arrays[f"{s}_rows"]] if len(arrays[f"{s}_rows"]) else []
-        atomic_write(self.npz_path, lambda f: np.savez(f, **arrays))
+        n = self.state["checkpoints"] + 1
+        name = f"{self.lang}.{n:06d}.npz"
+        atomic_write(self.progress_dir / name, lambda f: np.savez(f, **arrays))
+        old = self.state["arrays"]
+        self.state.update(file_idx=file_idx, line=line, skipped=skipped, done=final,
+                          checkpoints=n, arrays=name)
         atomic_write_json(self.json_path, self.state)  # last: it commits the shards above
+        if old is not None and old != name:
+            (self.progress_dir / old).unlink(missing_ok=True)
 
     def run(self, submit, bar: ProgressBar, bytes_before: int) -> None:
         if self.state["done"]:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_rembert.data import common, shards
+from megatron_rembert.data import preprocess as preprocess_mod
 from megatron_rembert.data.common import DataError
 from megatron_rembert.data.preprocess import preprocess
 from tests.data.conftest import small_config
@@ -58,6 +60,64 @@ def test_kill_and_resume_gives_identical_shards(corpus, tokenizer, dataset, tmp_
     listed = {s["file"] for s in manifest["shards"]}
     on_disk = {p.relative_to(out).as_posix() for p in out.rglob("*.arrow")}
     assert on_disk == listed  # no duplicates or orphans
+
+
+class _Killed(BaseException):
+    """Stands for a SIGKILL: nothing in preprocess catches it and nothing after it runs."""
+
+
+@pytest.mark.parametrize("where", ["after_write", "before_rename"])
+def test_kill_between_any_two_writes_gives_identical_shards(corpus, tokenizer, tmp_path,
+                                                            monkeypatch, where):
+    """Deterministic version of the test above: stop the run at each of its file writes in turn
+    (shards, checkpoint arrays, checkpoint json, ...), either right after the write or with only
+    a partial temp file written, rerun, and compare with an uninterrupted run. In particular this
+    covers a kill after a checkpoint's arrays are on disk but before its json commits them."""
+    langs = ["cyrl", "grek"]  # two languages: a kill in the second one resumes after a done one
+
+    def cfg(out):
+        return small_config(corpus, out, tokenizer, languages=langs, workers=0)
+
+    reference = preprocess(cfg(tmp_path / "ref"))
+    real_write = common.atomic_write
+    writes: list[str] = []
+    kill_at = [0]  # 1-based index of the write that is interrupted; 0: none
+
+    def write(path, fn, binary=True):
+        writes.append(Path(path).name)
+        if len(writes) == kill_at[0] and where == "before_rename":
+            tmp = Path(path).with_name(f".tmp-{os.getpid()}-{Path(path).name}")
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_bytes(b"half a file")
+            raise _Killed
+        real_write(path, fn, binary)
+        if len(writes) == kill_at[0]:
+            raise _Killed
+
+    for module in (common, shards, preprocess_mod):
+        monkeypatch.setattr(module, "atomic_write", write)
+    preprocess(cfg(tmp_path / "count"))
+    names = list(writes)
+    assert any(n.endswith(".npz") for n in names) and "cyrl.json" in names
+    for crash_at in range(1, len(names) + 1):
+        out = tmp_path / f"run{crash_at}"
+        writes.clear()
+        kill_at[0] = crash_at
+        with pytest.raises(_Killed):
+            preprocess(cfg(out))
+        writes.clear()
+        kill_at[0] = 0
+        manifest = preprocess(cfg(out))
+        context = f"killed {where.replace('_', ' ')} #{crash_at} ({names[crash_at - 1]})"
+        assert manifest == reference, context
+        assert not list(out.rglob(".tmp-*")), context
+        on_disk = {p.relative_to(out).as_posix() for p in out.rglob("*.arrow")}
+        assert on_disk == {s["file"] for s in manifest["shards"]}, context
+        progress = sorted(p.name for p in (out / ".progress").iterdir())
+        state = {lang: json.loads((out / ".progress" / f"{lang}.json").read_text())
+                 for lang in langs}
+        assert progress == sorted(["settings.json", *(f"{lang}.json" for lang in langs),
+                                   *(st["arrays"] for st in state.values())]), context
 
 
 def test_rerun_skips_finished_work(corpus, tokenizer, tmp_path):
