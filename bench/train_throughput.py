@@ -15,7 +15,7 @@ The ratio ours / hf is printed last.
 On a GPU it also reports tokens/s, TFLOP/s and MFU of the `rembert` preset (bf16, our model and
 torch's fused AdamW; no DeepSpeed needed).
 
-    python bench/train_throughput.py [--steps 3] [--batch 8] [--seq 128]
+    python bench/train_throughput.py [--steps 3] [--batch 16] [--seq 128]
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up)")
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--gpu-batch", type=int, default=16)
     args = parser.parse_args()
