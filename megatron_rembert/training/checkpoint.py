@@ -14,7 +14,6 @@ without `complete` are never loaded and are removed by the next successful save.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_rembert.data.common import atomic_write, atomic_write_json
 from megatron_rembert.parallel import random as tp_random
 
 COMPLETE = "complete"
@@ -46,20 +46,6 @@ def _rank() -> int:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def step_tag(step: int) -> str:
@@ -95,9 +81,9 @@ def save_checkpoint(engine, save_dir: str | Path, step: int, consumed_samples: i
                               + f"; {save_dir / LATEST} still names the last good checkpoint")
     if _rank() == 0:
         meta = {**meta, "step": step, "consumed_samples": consumed_samples}
-        _atomic_write_text(folder / "meta.json", json.dumps(meta, indent=2))
-        _atomic_write_text(folder / COMPLETE, "")
-        _atomic_write_text(save_dir / LATEST, tag + "\n")
+        atomic_write_json(folder / "meta.json", meta)
+        atomic_write(folder / COMPLETE, lambda f: None)
+        atomic_write(save_dir / LATEST, lambda f: f.write(tag + "\n"), binary=False)
         _prune(save_dir, keep_last, current=tag)
     _barrier()
     return folder
