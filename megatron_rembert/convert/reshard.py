@@ -39,8 +39,8 @@ def reshard(checkpoint: str, out: str, tp: int, pp: int, force: bool,
     specs = param_specs(reader.model, 1)
     config = reader.config
     config.parallel.tp, config.parallel.pp = tp, pp
-    if pp > 1 and config.parallel.zero_stage > 1:
-        config.parallel.zero_stage = 1  # the pipeline engine allows ZeRO 0 or 1
+    if pp > 1:
+        config.parallel.zero_stage = 1  # what pipeline parallelism needs (validate_config)
     meta = {"config": config.to_dict(), "tokenizer_sha256": reader.meta.get("tokenizer_sha256"),
             "layout": {"tp": tp, "pp": pp, "dp": None},
             "consumed_samples": int(reader.meta.get("consumed_samples", 0)),

@@ -25,7 +25,7 @@ from megatron_rembert.config import ConfigError, ModelConfig, get_preset
 class ParallelConfig:
     tp: int = 1  # tensor-parallel size (ranks adjacent, one node)
     pp: int = 1  # pipeline stages; > 1 runs DeepSpeed's PipelineModule (1F1B)
-    zero_stage: int = 1  # ZeRO stage: 0, 1 or 2 (2 only with pp = 1)
+    zero_stage: int = 1  # ZeRO stage 1 or 2; 0 only for fp32 with pp = 1; pp > 1 needs 1
     ds_config: str = ""  # JSON with further DeepSpeed knobs (buckets, loss scaler); optional
     activation_checkpointing: bool = False  # recompute each Transformer layer in backward
 
@@ -61,7 +61,7 @@ class TrainConfig:
     steps: int = 1_760_000
     micro_batch_size: int = 8
     global_batch_size: int = 2048  # = micro_batch_size x gradient accumulation x DP
-    precision: str = "bf16"  # fp32 | bf16 | fp16
+    precision: str = "bf16"  # fp32 | bf16 | fp16; bf16 and fp16 need ZeRO stage 1 or 2
     seed: int = 1234
     log_interval: int = 10
     eval_interval: int = 1000  # 0 = never
@@ -180,9 +180,14 @@ def validate_config(config: Config, world_size: int) -> int:
                           "span the first and last pipeline stages")
     if par.zero_stage not in (0, 1, 2):
         raise ConfigError(f"parallel.zero_stage={par.zero_stage}: expected 0, 1 or 2")
-    if par.pp > 1 and par.zero_stage > 1:
-        raise ConfigError("parallel.zero_stage=2 is not supported with pipeline parallelism "
-                          "(DeepSpeed's pipeline engine allows ZeRO stage 0 or 1)")
+    if par.pp > 1 and par.zero_stage != 1:
+        # Stage 2 is not supported by DeepSpeed's pipeline engine. Without ZeRO, its gradient
+        # clipping counts a replicated parameter only on the first rank of the tp x pp group,
+        # so the later stages' LayerNorms and biases drop out of the norm and training differs
+        # from one process (ZeRO-1 computes the norm right; tests/training/test_layouts.py).
+        raise ConfigError(f"parallel.zero_stage={par.zero_stage} with parallel.pp={par.pp}: "
+                          "pipeline parallelism needs zero_stage=1 (DeepSpeed's pipeline "
+                          "engine has no ZeRO-2, and clips gradients wrongly without ZeRO)")
     per_step = train.micro_batch_size * dp
     if train.micro_batch_size < 1 or train.global_batch_size % per_step:
         raise ConfigError(
@@ -190,6 +195,15 @@ def validate_config(config: Config, world_size: int) -> int:
             f"train.micro_batch_size x DP = {train.micro_batch_size} x {dp}")
     if train.precision not in ("fp32", "bf16", "fp16"):
         raise ConfigError(f"train.precision={train.precision!r}: expected fp32, bf16 or fp16")
+    if train.precision != "fp32" and par.zero_stage == 0:
+        # DeepSpeed (0.19) without ZeRO: bf16 cannot keep fp32 gradient accumulation, and its
+        # fp16 wrapper does not multiply the loss by the loss scale in engine.backward yet
+        # divides the gradients by it, takes one Adam step on zero gradients when built, and
+        # leaves tensor-parallel shards out of the clipping norm. The ZeRO optimizers have none
+        # of these faults (tests/training/test_fp16.py compares fp16 with fp32).
+        raise ConfigError(f"train.precision={train.precision} needs parallel.zero_stage=1 or 2 "
+                          "(DeepSpeed keeps fp32 master weights, gradients and a correct loss "
+                          "scale only in its ZeRO optimizers); zero_stage=0 is for fp32")
     if optim.name not in ("adamw", "lamb"):
         raise ConfigError(f"optim.name={optim.name!r}: expected adamw or lamb")
     if optim.decay not in ("linear", "cosine", "constant"):

@@ -185,6 +185,5 @@ class Trainer:
     def loss_scale(self) -> float | None:
         if self.config.train.precision != "fp16":
             return None
-        opt = self.optimizer
-        scale = getattr(opt, "cur_scale", None) or getattr(opt, "loss_scale", None)
+        scale = getattr(self.optimizer, "cur_scale", None)  # DeepSpeed's ZeRO optimizers
         return float(scale) if scale is not None else None

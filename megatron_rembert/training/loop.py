@@ -68,8 +68,12 @@ def check_inputs(config: Config, world_size: int, device: torch.device
     """Every cheap check before heavy work: layout, data folder, tokenizer, vocabulary."""
     dp = validate_config(config, world_size)
     if config.train.precision == "fp16" and device.type != "cuda":
-        raise ConfigError("train.precision=fp16 needs a GPU (DeepSpeed has no fp16 on CPU); "
-                          "use bf16 or fp32")
+        from deepspeed.accelerator import get_accelerator
+
+        if not get_accelerator().is_fp16_supported():
+            raise ConfigError("train.precision=fp16 needs a GPU: DeepSpeed allows fp16 on a CPU "
+                              "only with oneDNN fp16 support, which this CPU lacks; use bf16 "
+                              "or fp32")
     data = config.data
     if not data.path:
         raise ConfigError("data.path is not set: point it at a folder made by "

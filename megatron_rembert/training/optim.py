@@ -42,9 +42,8 @@ def deepspeed_config(config: Config, dp: int) -> dict:
     ds.setdefault("bf16", {})["enabled"] = train.precision == "bf16"
     ds.setdefault("fp16", {})["enabled"] = train.precision == "fp16"
     ds.setdefault("zero_optimization", {})["stage"] = config.parallel.zero_stage
-    if train.precision == "bf16" and config.parallel.zero_stage == 0:
-        # Keep fp32 master weights and gradient accumulation even without ZeRO.
-        ds.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
+    if config.optim.name == "lamb":
+        ds["zero_allow_untested_optimizer"] = True  # Lamb maps ZeRO's partitions itself
     return ds
 
 

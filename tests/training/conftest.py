@@ -22,3 +22,12 @@ def tiny_dataset(tmp_path_factory) -> tuple[Path, Path]:
                                 str(root / "tok" / "spm.model"), seq_length=SEQ, workers=1,
                                 valid_fraction=0.05, progress=False))
     return root / "data", root / "tok" / "spm.model"
+
+
+@pytest.fixture(scope="session")
+def layout_reference():
+    """The tiny model in one process, fp32, ZeRO-1: what every other layout must reproduce."""
+    from tests.distributed import run_distributed
+    from tests.training.helpers import layout_overrides, train_worker
+
+    return run_distributed(train_worker, 1, layout_overrides(1, 1, 1))[0]

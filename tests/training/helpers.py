@@ -34,3 +34,79 @@ def micro_batches(step: int, global_batch: int, micro: int, dp_rank: int, dp: in
     samples = [sample(start + i, vocab_size) for i in range(per_rank)]
     return [{k: torch.stack([s[k] for s in samples[i:i + micro]]) for k in samples[0]}
             for i in range(0, per_rank, micro)]
+
+
+STEPS = 5
+GLOBAL_BATCH, MICRO = 8, 2
+
+
+def layout_overrides(tp: int, pp: int, zero: int, recompute: bool = False,
+                     **extra) -> list[str]:
+    """The tiny model trained for STEPS steps on the synthetic samples above."""
+    values = {"parallel.tp": tp, "parallel.pp": pp, "parallel.zero_stage": zero,
+              "parallel.activation_checkpointing": str(recompute).lower(),
+              "train.global_batch_size": GLOBAL_BATCH, "train.micro_batch_size": MICRO,
+              "train.precision": "fp32", "train.steps": STEPS, "optim.warmup_steps": 2,
+              "optim.lr": 3e-3, "optim.clip_grad": 0.5, "data.seq_length": SEQ}
+    values.update(extra)
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+def allow_cpu_fp16() -> None:
+    """Let DeepSpeed run fp16 on this CPU: it allows it only where oneDNN has fp16 kernels,
+    but torch computes fp16 on any CPU (slowly), which is all a numerics test needs."""
+    from deepspeed.accelerator import get_accelerator
+
+    get_accelerator().is_fp16_supported = lambda: True
+
+
+def _master(param: torch.Tensor) -> torch.Tensor:
+    """The fp32 master weight of a parameter (all-gathered over DP under ZeRO 1/2 and
+    DeepSpeed's bf16 optimizer), or the parameter itself when it is its own master."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    master = safe_get_full_fp32_param(param)
+    return (param if master is None else master).detach().float().clone()
+
+
+def train_worker(rank, world_size, overrides, fp16_on_cpu=False):
+    """Train with the Trainer on synthetic data. Per step: loss, grad norm, masked tokens,
+    loss scale, skipped, the learning rate applied, and whether this rank's weights changed;
+    then the validation (loss, accuracy, tokens) of the trained model, and how far training
+    moved each of this rank's parameters (by global name, whole tensors)."""
+    import deepspeed
+
+    from megatron_rembert.parallel import state
+    from megatron_rembert.training.config import build_config, validate_config
+    from megatron_rembert.training.engine import Trainer
+    from megatron_rembert.training.portable import local_parameters
+
+    if fp16_on_cpu:
+        allow_cpu_fp16()
+    deepspeed.init_distributed(dist_backend="gloo")
+    config = build_config({"model": {"preset": "tiny"}}, overrides)
+    dp = validate_config(config, world_size)
+    s = state.initialize_model_parallel(config.parallel.tp, config.parallel.pp)
+    trainer = Trainer(config, dp, torch.device("cpu"))
+    initial = {n: _master(p) for n, p in local_parameters(trainer.engine.module)}
+    out = []
+    for step in range(config.train.steps):
+        batches = micro_batches(step, GLOBAL_BATCH, MICRO, s.dp_rank, dp,
+                                config.model.vocab_size)
+        before = [p.detach().clone() for p in trainer.engine.module.parameters()]
+        stats = trainer.train_step(batches)
+        changed = any(not torch.equal(b, p) for b, p in
+                      zip(before, trainer.engine.module.parameters(), strict=True))
+        out.append((stats.loss, stats.grad_norm, stats.masked_tokens, stats.loss_scale,
+                    stats.skipped, stats.lr, changed))
+    # Validation on the trained model: a global batch not seen in training.
+    evaluation = trainer.eval_step(micro_batches(config.train.steps + 1, GLOBAL_BATCH, MICRO,
+                                                 s.dp_rank, dp, config.model.vocab_size))
+    # How far training moved each whole fp32 master weight: ||w_T - w_0||, TP shards summed.
+    moved = {}
+    for name, param in local_parameters(trainer.engine.module):
+        square = (_master(param) - initial[name]).square().sum()
+        if getattr(param, "tensor_model_parallel", False):
+            torch.distributed.all_reduce(square, group=s.tp_group)
+        moved[name] = square.sqrt().item()
+    return out, evaluation, moved

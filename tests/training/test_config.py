@@ -45,9 +45,12 @@ def test_bad_overrides_name_the_key(item, message):
     (["parallel.tp=2", "parallel.pp=2"], 6, "world size 6 is not divisible"),
     (["parallel.tp=4"], 4, "num_attention_heads=6 is not divisible by parallel.tp=4"),
     (["parallel.pp=3"], 3, "num_hidden_layers=2 is fewer than parallel.pp=3"),
-    (["parallel.pp=2", "parallel.zero_stage=2"], 2, "zero_stage=2 is not supported"),
+    (["parallel.pp=2", "parallel.zero_stage=2"], 2, "pipeline parallelism needs zero_stage=1"),
+    (["parallel.pp=2", "parallel.zero_stage=0"], 2, "pipeline parallelism needs zero_stage=1"),
     (["train.global_batch_size=30"], 2, "global_batch_size=30 is not a multiple"),
     (["data.seq_length=4096"], 1, "exceeds model.max_position_embeddings"),
+    (["train.precision=bf16", "parallel.zero_stage=0"], 1, "bf16 needs parallel.zero_stage=1"),
+    (["train.precision=fp16", "parallel.zero_stage=0"], 1, "fp16 needs parallel.zero_stage=1"),
 ])
 def test_layout_errors(sets, world, message):
     config = load_config(ROOT / "configs/tiny.yaml", sets)
@@ -115,9 +118,17 @@ def test_sequence_length_mismatch(tiny_dataset):
         check_inputs(_tiny(tiny_dataset, "data.seq_length=64"), 1, torch.device("cpu"))
 
 
-def test_fp16_needs_gpu(tiny_dataset):
-    with pytest.raises(ConfigError, match="fp16 needs a GPU"):
-        check_inputs(_tiny(tiny_dataset, "train.precision=fp16"), 1, torch.device("cpu"))
+@pytest.mark.parametrize("cpu_has_fp16", [False, True])
+def test_fp16_on_cpu_only_where_deepspeed_allows_it(tiny_dataset, monkeypatch, cpu_has_fp16):
+    from deepspeed.accelerator import get_accelerator
+
+    monkeypatch.setattr(get_accelerator(), "is_fp16_supported", lambda: cpu_has_fp16)
+    config = _tiny(tiny_dataset, "train.precision=fp16")
+    if cpu_has_fp16:
+        assert check_inputs(config, 1, torch.device("cpu"))[0] == 1
+    else:
+        with pytest.raises(ConfigError, match="fp16 needs a GPU"):
+            check_inputs(config, 1, torch.device("cpu"))
 
 
 def test_latest_pointing_at_incomplete_checkpoint(tmp_path):

@@ -1,0 +1,84 @@
+"""fp16 with dynamic loss scaling: the same training as fp32, and overflow steps skipped.
+
+This CPU has no oneDNN fp16, so DeepSpeed would refuse fp16; torch computes fp16 on any CPU,
+and the tests let DeepSpeed use it (`allow_cpu_fp16`).
+"""
+
+import json
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tests.training.helpers import allow_cpu_fp16, layout_overrides, train_worker
+from tests.training.test_loop import losses, overrides
+
+FP16 = {"train.precision": "fp16", "parallel.ds_config": "ds_configs/fp16.json"}
+
+
+@pytest.mark.parametrize("tp, pp, dp", [(1, 1, 2), (2, 2, 1)])
+def test_fp16_matches_fp32(tp, pp, dp, layout_reference):
+    """ZeRO-1, default scaler (2^16): no overflow, and fp32's losses and gradient norms up to
+    fp16 rounding. Without the loss scale applied, or with one Adam step too many (DeepSpeed's
+    fp16 path without ZeRO), the second loss is already off by 3e-4 and the norms by 3%."""
+    expected, expected_eval, _ = layout_reference
+    results = run_distributed(train_worker, tp * pp * dp, layout_overrides(tp, pp, 1, **FP16),
+                              True, timeout=400)
+    rows, evaluation, _ = results[0]
+    assert evaluation[0] == pytest.approx(expected_eval[0], rel=1e-4)
+    for (loss, norm, tokens, scale, skipped, lr, changed), ref in zip(rows, expected,
+                                                                       strict=True):
+        assert (scale, skipped, changed) == (2.0**16, False, True)
+        assert (tokens, lr) == (ref[2], ref[5])
+        assert loss == pytest.approx(ref[0], rel=1e-4)
+        assert norm == pytest.approx(ref[1], rel=2e-3)
+
+
+def _train_fp16(rank, world_size, sets):
+    """train() from configs/tiny.yaml; records, per step, whether the weights changed."""
+    allow_cpu_fp16()
+    from megatron_rembert.training import engine, loop
+    from megatron_rembert.training.config import load_config
+
+    real_step = engine.Trainer.train_step
+    changed = []
+
+    def step(self, batches):
+        before = [p.detach().clone() for p in self.engine.module.parameters()]
+        stats = real_step(self, batches)
+        changed.append(any(not torch.equal(b, p) for b, p in
+                           zip(before, self.engine.module.parameters(), strict=True)))
+        return stats
+
+    engine.Trainer.train_step = step
+    loop.train(load_config("configs/tiny.yaml", sets))
+    return changed
+
+
+def test_overflow_skips_the_step_and_halves_the_scale(tmp_path, tiny_dataset):
+    """A loss scale of 2^24 overflows the fp16 gradients: such a step leaves the weights and
+    the learning-rate schedule alone and halves the scale, until the scale fits. The loss is
+    finite throughout, so these steps never count towards train.max_nonfinite_steps."""
+    ds_config = tmp_path / "fp16_high_scale.json"
+    ds_config.write_text(json.dumps({"fp16": {"loss_scale": 0, "initial_scale_power": 24,
+                                              "loss_scale_window": 1000, "hysteresis": 1}}))
+    sets = overrides(tmp_path, *tiny_dataset, **{
+        "train.precision": "fp16", "parallel.ds_config": ds_config, "train.steps": 12,
+        "train.max_nonfinite_steps": 2, "train.eval_interval": 0})
+    changed = run_distributed(_train_fp16, 2, sets, timeout=300)[0]
+    rows = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text()
+            .splitlines()]
+    skipped = [r["skipped"] for r in rows]
+    first_real = skipped.index(False)
+    assert first_real >= 2 and not any(skipped[first_real:]), skipped
+    assert changed == [not s for s in skipped]
+    scales = [r["loss_scale"] for r in rows]
+    assert scales[0] == 2.0**23  # reported after the step: already halved
+    for before, after, skip in zip(scales, scales[1:], skipped[1:], strict=False):
+        assert after == (before / 2 if skip else before)
+    lrs = [r["lr"] for r in rows]
+    assert len(set(lrs[:first_real + 1])) == 1  # the schedule waits for a real step
+    assert lrs[first_real + 1] > lrs[first_real]  # warm-up goes on afterwards
+    train = losses(tmp_path / "logs")
+    assert all(torch.isfinite(torch.tensor(list(train.values()))))
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_00000012"
