@@ -25,6 +25,7 @@ from megatron_rembert.parallel import state
 from megatron_rembert.parallel.layers import init_weights
 from megatron_rembert.parallel.random import checkpoint_safe
 from megatron_rembert.training.config import Config
+from megatron_rembert.training.lamb import Lamb
 from megatron_rembert.training.optim import build_optimizer, build_scheduler, deepspeed_config
 
 INPUT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "masked_positions")
@@ -104,6 +105,8 @@ class Trainer:
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config,
             mpu=None if self.pipeline else state.DeepSpeedMPU())
+        if isinstance(optimizer, Lamb) and self.optimizer is not optimizer:
+            optimizer.use_flat_partitions(self.optimizer)
         self.gas = self.engine.gradient_accumulation_steps()
         self._stats = torch.zeros(3)
         self._loss_factor = 1.0

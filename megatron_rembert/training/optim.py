@@ -10,7 +10,9 @@ import torch
 from torch import nn
 
 from megatron_rembert.config import ConfigError
+from megatron_rembert.parallel import state
 from megatron_rembert.training.config import Config
+from megatron_rembert.training.lamb import Lamb
 
 # Keys of the DeepSpeed config that our Config owns: a ds_config JSON may not set them.
 _OWNED_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu",
@@ -61,13 +63,11 @@ def build_optimizer(model: nn.Module, config: Config) -> torch.optim.Optimizer:
     groups = [{"params": decay, "weight_decay": optim.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     betas = (optim.beta1, optim.beta2)
-    on_gpu = any(p.is_cuda for p in decay)
     if optim.name == "lamb":
-        if not on_gpu:
-            raise ConfigError("optim.name=lamb needs a GPU (DeepSpeed's FusedLamb); use adamw")
-        from deepspeed.ops.lamb import FusedLamb
-
-        return FusedLamb(groups, lr=optim.lr, betas=betas, eps=optim.eps)
+        # Ours, not DeepSpeed's FusedLamb: its trust ratios are those of whole parameters
+        # under tensor parallelism and ZeRO partitioning, and it runs on CPU as on GPU.
+        return Lamb(groups, lr=optim.lr, betas=betas, eps=optim.eps,
+                    tp_group=state.tp_group() if state.tp_size() > 1 else None)
     # torch's fused AdamW: on GPU the same multi-tensor kernel as DeepSpeed's or apex's
     # FusedAdam without a CUDA extension to build on the cluster; on CPU (torch >= 2.4) a
     # vectorised kernel, ~20x faster than the default per-tensor loop for a 250k vocabulary.

@@ -29,3 +29,17 @@ def test_reshard_continues_exactly(trained, tmp_path, tp, pp, world, zero):
                              str(out / "step_00000003"), 3, 3, None, timeout=300)[0]
     print("resharded", tp, pp, losses, "reference", expected)
     assert losses == pytest.approx(expected, rel=1e-5)
+
+
+def test_reshard_lamb_state(tmp_path):
+    """LAMB's moments and step count reshard like Adam's (same state names and shapes)."""
+    lamb = ["optim.name=lamb"]
+    save = tmp_path / "src"
+    full = run_distributed(train_worker, 4, TINY, overrides(2, 2) + lamb, None, 0, 6,
+                           (str(save), 3), timeout=400)[0]
+    out = tmp_path / "resharded"
+    assert main(["reshard", "--checkpoint", str(save / "step_00000003"), "--out", str(out),
+                 "--tp", "1", "--pp", "1"]) == 0
+    losses = run_distributed(train_worker, 2, TINY, overrides(1, 1, 2) + lamb,
+                             str(out / "step_00000003"), 3, 3, None, timeout=300)[0]
+    assert losses == pytest.approx(full[3:], rel=1e-5)

@@ -112,3 +112,17 @@ def test_non_finite_losses_stop_and_keep_last_good(tmp_path, tiny_dataset):
         run_distributed(_train, 1, sets, None, None, 3)
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_00000002"
     assert not (tmp_path / "ckpt" / "step_00000003").exists()
+
+
+def test_lamb_resume_matches_uninterrupted(tmp_path, tiny_dataset):
+    """LAMB's state (moments and step count of ZeRO's flat partitions) survives a restart."""
+    straight = tmp_path / "straight"
+    run_distributed(_train, 2, overrides(straight, *tiny_dataset, **{"optim.name": "lamb"}))
+    expected = losses(straight / "logs")
+    sets = overrides(tmp_path, *tiny_dataset, **{"optim.name": "lamb"})
+    assert run_distributed(_train, 2, sets, 3) == [3, 3]
+    run_distributed(_train, 2, sets)
+    resumed = losses(tmp_path / "logs")
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    for step, loss in expected.items():
+        assert resumed[step] == pytest.approx(loss, rel=1e-6), f"step {step}"

@@ -1,0 +1,186 @@
+"""LAMB (You et al., 2020, "Large batch optimization for deep learning: training BERT in 76
+minutes") whose trust ratios are those of whole parameters, in every parallel layout.
+
+LAMB scales the Adam update u of each parameter w by ||w|| / ||u||. A rank rarely holds a whole
+parameter: tensor parallelism gives it a shard, and ZeRO (or DeepSpeed's bf16 optimizer) hands
+the optimizer one flat fp32 partition per parameter group, cut at arbitrary points. Norms over
+what one rank holds would make training depend on the layout. Here the squared norms are summed
+over every fragment of a parameter on the data-parallel ranks and over its tensor-parallel
+shards, so tp x pp x dp with ZeRO takes the steps of one process (tests/training/test_lamb.py).
+
+Conventions of NVIDIA's BERT LAMB and the reference TensorFlow implementation: Adam moments with
+bias correction; decoupled weight decay added to the update; the trust ratio only for the
+parameters that get weight decay (biases and LayerNorm take the plain update); ratio 1 where a
+norm is zero. Gradient clipping (global norm) is DeepSpeed's, before the step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# (lp-parameter groups, flat fp32 partitions) of DeepSpeed's wrappers that partition.
+_FLAT_WRAPPERS = (("bit16_groups", "single_partition_of_fp32_groups"),  # ZeRO 1 and 2
+                  ("bf16_groups", "fp32_groups_flat_partition"))  # BF16_Optimizer
+
+
+@dataclass
+class _Fragments:
+    """Where a group's logical parameters lie in the tensors the optimizer updates."""
+    tensors: list[int]  # per fragment: index of the tensor in group["params"]
+    starts: list[int]  # per fragment: first element in that (flattened) tensor
+    sizes: list[int]
+    ids: torch.Tensor  # per fragment: logical parameter index
+    sharded: torch.Tensor  # per logical parameter: split across the tensor-parallel group
+    dp_group: object = None  # set when fragments of one parameter are spread over DP ranks
+    key: tuple = ()
+
+
+def _is_sharded(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "tensor_model_parallel", False))
+
+
+class Lamb(torch.optim.Optimizer):
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-6, weight_decay: float = 0.0, tp_group=None):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.tp_group = tp_group
+        self._wrapper = None
+        self._fragments: dict[int, _Fragments] = {}
+
+    def use_flat_partitions(self, wrapper) -> None:
+        """DeepSpeed wrapped this optimizer in a partitioning one (ZeRO 1/2, BF16_Optimizer):
+        from now on group["params"] are flat partitions, mapped back through the wrapper."""
+        if not any(hasattr(wrapper, lp) and hasattr(wrapper, hp) for lp, hp in _FLAT_WRAPPERS):
+            raise TypeError(f"optim.name=lamb: DeepSpeed's {type(wrapper).__name__} is not a "
+                            "wrapper whose partitions Lamb can map to parameters")
+        self._wrapper = wrapper
+        self._fragments.clear()
+
+    # -- where the parameters are ------------------------------------------------------------
+    def _plain_fragments(self, params: list[torch.Tensor]) -> _Fragments:
+        n = len(params)
+        return _Fragments(tensors=list(range(n)), starts=[0] * n,
+                          sizes=[p.numel() for p in params], ids=torch.arange(n),
+                          sharded=torch.tensor([_is_sharded(p) for p in params]))
+
+    def _flat_fragments(self, index: int, flat: torch.Tensor) -> _Fragments:
+        lp_name, hp_name = next((lp, hp) for lp, hp in _FLAT_WRAPPERS
+                                if hasattr(self._wrapper, lp))
+        position = next((i for i, t in enumerate(getattr(self._wrapper, hp_name)) if t is flat),
+                        None)
+        if position is None:
+            raise RuntimeError(f"Lamb: parameter group {index} is not one of DeepSpeed's flat "
+                               "partitions")
+        lp_params = getattr(self._wrapper, lp_name)[position]
+        starts, sizes, ids = [], [], []
+        for i, lp in enumerate(lp_params):
+            mapping = getattr(lp, "_hp_mapping", None)
+            if mapping is not None:  # a fragment of this parameter is in our partition
+                starts.append(mapping.hp_fragment_address.start)
+                sizes.append(mapping.hp_fragment_address.numel)
+                ids.append(i)
+        group = self._wrapper.real_dp_process_group[position]
+        fragments = _Fragments(tensors=[0] * len(ids), starts=starts, sizes=sizes,
+                               ids=torch.tensor(ids, dtype=torch.long),
+                               sharded=torch.tensor([_is_sharded(p) for p in lp_params]),
+                               dp_group=group)
+        # Every element of every parameter must be covered exactly once across the DP ranks.
+        covered = torch.zeros(len(lp_params), dtype=torch.float64)
+        covered.index_add_(0, fragments.ids, torch.tensor(sizes, dtype=torch.float64))
+        covered = covered.to(flat.device)
+        if dist.is_initialized():
+            dist.all_reduce(covered, group=group)
+        expected = torch.tensor([p.numel() for p in lp_params], dtype=torch.float64)
+        if not torch.equal(covered.cpu(), expected):
+            raise RuntimeError("Lamb: DeepSpeed's partition map does not cover the parameters "
+                               "exactly once; this DeepSpeed version's layout is unsupported")
+        return fragments
+
+    def _group_fragments(self, index: int, group: dict) -> _Fragments:
+        params = group["params"]
+        key = tuple((p.data_ptr(), p.numel()) for p in params)
+        cached = self._fragments.get(index)
+        if cached is None or cached.key != key:
+            if self._wrapper is None:
+                cached = self._plain_fragments(params)
+            else:
+                if len(params) != 1:
+                    raise RuntimeError(f"Lamb: expected one flat partition in group {index}, "
+                                       f"got {len(params)} tensors")
+                cached = self._flat_fragments(index, params[0])
+            cached.key = key
+            self._fragments[index] = cached
+        return cached
+
+    # -- the step ------------------------------------------------------------------------------
+    def _trust_ratios(self, fragments: _Fragments, weights: list[torch.Tensor],
+                      updates: list[torch.Tensor]) -> list[float]:
+        """||w|| / ||u|| of each fragment's whole parameter."""
+        count = len(fragments.sharded)
+        device = weights[0].device if weights else torch.device("cpu")
+        sums = torch.zeros(2, count, dtype=torch.float32, device=device)
+        if weights:
+            norms = torch.stack([torch.stack(torch._foreach_norm(weights)),
+                                 torch.stack(torch._foreach_norm(updates))]).float()
+            sums.index_add_(1, fragments.ids.to(device), norms.square())
+        if fragments.dp_group is not None and dist.is_initialized():
+            dist.all_reduce(sums, group=fragments.dp_group)
+        if self.tp_group is not None and bool(fragments.sharded.any()):
+            mask = fragments.sharded.to(device)
+            shards = sums[:, mask].contiguous()
+            dist.all_reduce(shards, group=self.tp_group)
+            sums[:, mask] = shards
+        w_norm, u_norm = sums.sqrt()
+        ratio = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm,
+                            torch.ones_like(w_norm))
+        return ratio[fragments.ids.to(device)].tolist()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for index, group in enumerate(self.param_groups):
+            params = group["params"]
+            if not params:
+                continue
+            fragments = self._group_fragments(index, group)
+            beta1, beta2 = group["betas"]
+            for p in params:
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p,
+                                                           memory_format=torch.preserve_format)
+                state["step"] += 1
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            exp_avg = [self.state[p]["exp_avg"] for p in params]
+            exp_avg_sq = [self.state[p]["exp_avg_sq"] for p in params]
+            step = self.state[params[0]]["step"].item()
+            torch._foreach_lerp_(exp_avg, grads, 1 - beta1)
+            torch._foreach_mul_(exp_avg_sq, beta2)
+            torch._foreach_addcmul_(exp_avg_sq, grads, grads, value=1 - beta2)
+            # u = m_hat / (sqrt(v_hat) + eps) + weight_decay * w, in one temporary per tensor
+            updates = torch._foreach_sqrt(exp_avg_sq)
+            torch._foreach_div_(updates, math.sqrt(1 - beta2 ** step))
+            torch._foreach_add_(updates, group["eps"])
+            torch._foreach_reciprocal_(updates)
+            torch._foreach_mul_(updates, exp_avg)
+            torch._foreach_div_(updates, 1 - beta1 ** step)
+            if group["weight_decay"]:
+                torch._foreach_add_(updates, params, alpha=group["weight_decay"])
+                flat_w = [params[t].view(-1).narrow(0, s, n) for t, s, n in
+                          zip(fragments.tensors, fragments.starts, fragments.sizes, strict=True)]
+                flat_u = [updates[t].view(-1).narrow(0, s, n) for t, s, n in
+                          zip(fragments.tensors, fragments.starts, fragments.sizes, strict=True)]
+                ratios = self._trust_ratios(fragments, flat_w, flat_u)
+                if flat_u:
+                    torch._foreach_mul_(flat_u, ratios)
+            torch._foreach_add_(params, updates, alpha=-group["lr"])
+        return loss
