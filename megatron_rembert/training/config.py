@@ -13,6 +13,8 @@ optimizer and clipping into the DeepSpeed config dict.
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,7 +46,7 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"  # adamw | lamb
+    name: str = "adamw"  # adamw | lamb (training/lamb.py: whole-parameter trust ratios)
     lr: float = 2e-4
     beta1: float = 0.9
     beta2: float = 0.999
@@ -158,9 +160,28 @@ def config_help() -> str:
              "presets in megatron_rembert/config.py; other model.* keys override it)"]
     default = Config()
     for section in _SECTIONS:
-        for f in dataclasses.fields(getattr(default, section)):
-            lines.append(f"  {section}.{f.name} = {getattr(getattr(default, section), f.name)}")
+        values = getattr(default, section)
+        notes = _field_notes(type(values))
+        for f in dataclasses.fields(values):
+            note = f"  ({notes[f.name]})" if f.name in notes else ""
+            lines.append(f"  {section}.{f.name} = {getattr(values, f.name)}{note}")
     return "\n".join(lines)
+
+
+def _field_notes(cls) -> dict[str, str]:
+    """Each field's comment in the dataclass source (inline, or the lines just above it),
+    which `--help` prints."""
+    notes, above = {}, []
+    for line in inspect.getsource(cls).splitlines():
+        comment = re.match(r"\s+#\s*(.+)$", line)
+        if comment:
+            above.append(comment.group(1))
+            continue
+        match = re.match(r"\s+(\w+): [^=]+=[^#]*(?:#\s*(.+))?$", line)
+        if match and (match.group(2) or above):
+            notes[match.group(1)] = match.group(2) or " ".join(above)
+        above = []
+    return notes
 
 
 def validate_config(config: Config, world_size: int) -> int:

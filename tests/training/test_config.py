@@ -1,5 +1,6 @@
 """Config parsing, validation and the checks that run before any heavy work."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -11,7 +12,13 @@ import torch
 from megatron_rembert.config import ConfigError
 from megatron_rembert.data.common import DataError
 from megatron_rembert.training.checkpoint import CheckpointError, find_latest
-from megatron_rembert.training.config import build_config, load_config, validate_config
+from megatron_rembert.training.config import (
+    Config,
+    build_config,
+    config_help,
+    load_config,
+    validate_config,
+)
 from megatron_rembert.training.loop import check_inputs
 from megatron_rembert.training.optim import deepspeed_config, lr_lambda
 from tests.training.conftest import SEQ
@@ -162,3 +169,12 @@ def test_every_shipped_config_loads_and_plans(path):
     world = config.parallel.tp * config.parallel.pp * 2  # dp = 2
     report = dry_run_report(config, world)
     assert f"model {config.model_preset}:" in report and "total" in report
+
+
+def test_help_lists_every_key_with_its_comment():
+    text = config_help()
+    for section in ("parallel", "data", "optim", "train"):
+        for f in dataclasses.fields(getattr(Config(), section)):
+            assert f"  {section}.{f.name} = " in text
+    assert "parallel.zero_stage = 1  (ZeRO stage 1 or 2;" in text  # an inline comment
+    assert "model.input_embedding_size = 256  (E_in: width" in text  # a comment line above
