@@ -152,32 +152,40 @@ def deepspeed_step_time(config: ModelConfig, batches: list[dict]) -> float:
     return timed(lambda batch: trainer.train_step([batch]), batches, lambda: None)
 
 
-def gpu_rembert(args) -> None:
-    """tokens/s, TFLOP/s and MFU of the rembert preset on one GPU (bf16, fused AdamW)."""
-    from megatron_rembert.training.metrics import peak_flops
+def preset_throughput(preset: str, batch: int, seq: int, steps: int,
+                      device: torch.device) -> dict:
+    """One preset trained in bf16 with torch's fused AdamW: tokens/s, model TFLOP/s (the
+    summary CLI's FLOPs), MFU where the GPU's peak is known, peak memory."""
+    from megatron_rembert.training.metrics import memory_gib, peak_flops
 
-    device = torch.device("cuda")
-    config = get_preset("rembert")
+    config = get_preset(preset)
     model = RemBertForPreTraining(config).to(device)
     model.init_weights(0)
     model = model.to(torch.bfloat16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    batches = [make_batch(config, args.gpu_batch, 512, s, device) for s in range(args.steps + 1)]
+    batches = [make_batch(config, batch, seq, s, device) for s in range(steps + 1)]
 
-    def step(batch):
+    def step(b):
         optimizer.zero_grad(set_to_none=True)
-        out = model(**batch)
+        out = model(**b)
         (out.loss_sum / out.num_tokens).backward()
         optimizer.step()
 
-    seconds = timed(step, batches, torch.cuda.synchronize)
-    tokens_per_s = args.gpu_batch * 512 / seconds
-    tflops = flops_per_token(config, 512)["training"] * tokens_per_s / 1e12
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    tokens_per_s = batch * seq / timed(step, batches, sync)
+    tflops = flops_per_token(config, seq)["training"] * tokens_per_s / 1e12
     peak = peak_flops(device)
-    mfu = f"{tflops * 1e12 / peak:.1%}" if peak else "n/a (GPU not in the peak table)"
+    return {"tokens_per_s": tokens_per_s, "tflops": tflops,
+            "mfu": tflops * 1e12 / peak if peak else None, "memory_gib": memory_gib(device)}
+
+
+def gpu_rembert(args) -> None:
+    """tokens/s, TFLOP/s and MFU of the rembert preset on one GPU (bf16, fused AdamW)."""
+    r = preset_throughput("rembert", args.gpu_batch, 512, args.steps, torch.device("cuda"))
+    mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a (GPU not in the peak table)"
     print(f"GPU {torch.cuda.get_device_name()}: rembert, batch {args.gpu_batch} x 512, bf16: "
-          f"{tokens_per_s:,.0f} tokens/s, {tflops:.1f} TFLOP/s, MFU {mfu}, "
-          f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+          f"{r['tokens_per_s']:,.0f} tokens/s, {r['tflops']:.1f} TFLOP/s, MFU {mfu}, "
+          f"peak memory {r['memory_gib']:.1f} GiB")
 
 
 def main() -> None:
