@@ -156,13 +156,17 @@ class Trainer:
         if self.pipeline:
             self.engine.train_batch(data_iter=self._pipeline_items(micro_batches))
         else:
-            for mb in micro_batches:
+            for i, mb in enumerate(micro_batches):
                 out = self.engine(**mb)
                 self._stats += _stats_tensor(out)
                 self.engine.backward(out.loss_sum * self._loss_factor)
+                if i == len(micro_batches) - 1 and self.config.parallel.zero_stage == 0:
+                    own_norm = self._grad_norm()  # DeepSpeed clips with it but reports None
                 self.engine.step()
         loss, acc, tokens = self._finish_stats()
         grad_norm = self.engine.get_global_grad_norm()
+        if grad_norm is None and not self.pipeline and self.config.parallel.zero_stage == 0:
+            grad_norm = own_norm
         if isinstance(grad_norm, torch.Tensor):
             grad_norm = grad_norm.item()
         return StepStats(
@@ -170,6 +174,19 @@ class Trainer:
             grad_norm=None if grad_norm is None or not math.isfinite(grad_norm) else grad_norm,
             loss_scale=self.loss_scale(), lr=lr,
             skipped=self.engine.skipped_steps > skipped_before)
+
+    @torch.no_grad()
+    def _grad_norm(self) -> torch.Tensor:
+        """Norm of the whole model's gradient (pp = 1, after the DP all-reduce): TP shards
+        summed over the TP group, replicated parameters counted once."""
+        grads = {True: [], False: []}
+        for p in self.engine.module.parameters():
+            if p.grad is not None:
+                grads[bool(getattr(p, "tensor_model_parallel", False))].append(p.grad)
+        squares = [torch.stack(torch._foreach_norm(g)).float().square().sum() if g
+                   else torch.zeros((), device=self.device) for g in (grads[True], grads[False])]
+        sharded = _all_reduce(squares[0].reshape(1), state.get_state().tp_group)
+        return (sharded[0] + squares[1]).sqrt()
 
     @torch.no_grad()
     def eval_step(self, micro_batches: list[dict]) -> tuple[float, float, int]:
