@@ -13,9 +13,10 @@ same batches, same process, measured side by side:
 The ratio ours / hf is printed last.
 
 On a GPU it also reports tokens/s, TFLOP/s and MFU of the `rembert` preset (bf16, our model and
-torch's fused AdamW; no DeepSpeed needed).
+torch's fused AdamW). `--gpu-only` skips the CPU comparison; that part needs only torch and
+triton (no DeepSpeed, transformers or PyYAML), so it runs on a bare GPU image.
 
-    python bench/train_throughput.py [--steps 3] [--batch 16] [--seq 128]
+    python bench/train_throughput.py [--steps 3] [--batch 16] [--seq 128] [--gpu-only]
 """
 
 from __future__ import annotations
@@ -32,11 +33,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_rembert.config import ModelConfig, get_preset  # noqa: E402
-from megatron_rembert.convert.hf import hf_config_dict, to_hf_state_dict  # noqa: E402
 from megatron_rembert.model.rembert import RemBertForPreTraining  # noqa: E402
 from megatron_rembert.model.sizes import flops_per_token  # noqa: E402
-from megatron_rembert.training.config import Config  # noqa: E402
-from megatron_rembert.training.optim import build_optimizer  # noqa: E402
 
 
 def bench_config() -> ModelConfig:
@@ -80,6 +78,10 @@ def timed(step, batches: list[dict], sync) -> float:
 
 def cpu_comparison(args) -> None:
     import transformers
+
+    from megatron_rembert.convert.hf import hf_config_dict, to_hf_state_dict
+    from megatron_rembert.training.config import Config
+    from megatron_rembert.training.optim import build_optimizer
 
     torch.manual_seed(0)
     config = bench_config()
@@ -137,7 +139,7 @@ def deepspeed_step_time(config: ModelConfig, batches: list[dict]) -> float:
     import deepspeed
 
     from megatron_rembert.parallel import state
-    from megatron_rembert.training.config import TrainConfig
+    from megatron_rembert.training.config import Config, TrainConfig
     from megatron_rembert.training.engine import Trainer
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29591"),
@@ -195,10 +197,15 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--gpu-batch", type=int, default=16)
+    parser.add_argument("--gpu-only", action="store_true",
+                        help="only the rembert preset on the GPU (torch and triton suffice)")
     args = parser.parse_args()
     if torch.cuda.is_available():
         gpu_rembert(args)
-    cpu_comparison(args)
+    elif args.gpu_only:
+        sys.exit("--gpu-only: no CUDA device")
+    if not args.gpu_only:
+        cpu_comparison(args)
 
 
 if __name__ == "__main__":
