@@ -35,6 +35,11 @@ def _split_param(full_shape: tuple[int, ...], split_dim: int | None) -> nn.Param
     return param
 
 
+def is_tp_sharded(param: torch.Tensor) -> bool:
+    """Split across the TP group (its norm sums over the TP ranks), not replicated."""
+    return bool(getattr(param, "tensor_model_parallel", False))
+
+
 def shard_of(full: torch.Tensor, split_dim: int | None, rank: int, size: int) -> torch.Tensor:
     """This rank's slice of a full tensor along `split_dim` (the whole tensor when None)."""
     if split_dim is None:

@@ -22,7 +22,7 @@ from megatron_rembert.model.mlm_head import MLMLoss
 from megatron_rembert.model.pipeline import pipeline_layer_builders, pipeline_layer_costs
 from megatron_rembert.model.rembert import RemBertForPreTraining
 from megatron_rembert.parallel import state
-from megatron_rembert.parallel.layers import init_weights
+from megatron_rembert.parallel.layers import init_weights, is_tp_sharded
 from megatron_rembert.parallel.random import checkpoint_safe
 from megatron_rembert.training.config import Config
 from megatron_rembert.training.lamb import Lamb
@@ -156,16 +156,17 @@ class Trainer:
         if self.pipeline:
             self.engine.train_batch(data_iter=self._pipeline_items(micro_batches))
         else:
+            own_norm = None  # DeepSpeed clips with the norm at ZeRO 0 but reports None
             for i, mb in enumerate(micro_batches):
                 out = self.engine(**mb)
                 self._stats += _stats_tensor(out)
                 self.engine.backward(out.loss_sum * self._loss_factor)
                 if i == len(micro_batches) - 1 and self.config.parallel.zero_stage == 0:
-                    own_norm = self._grad_norm()  # DeepSpeed clips with it but reports None
+                    own_norm = self._grad_norm()
                 self.engine.step()
         loss, acc, tokens = self._finish_stats()
         grad_norm = self.engine.get_global_grad_norm()
-        if grad_norm is None and not self.pipeline and self.config.parallel.zero_stage == 0:
+        if grad_norm is None and not self.pipeline:
             grad_norm = own_norm
         if isinstance(grad_norm, torch.Tensor):
             grad_norm = grad_norm.item()
@@ -182,7 +183,7 @@ class Trainer:
         grads = {True: [], False: []}
         for p in self.engine.module.parameters():
             if p.grad is not None:
-                grads[bool(getattr(p, "tensor_model_parallel", False))].append(p.grad)
+                grads[is_tp_sharded(p)].append(p.grad)
         squares = [torch.stack(torch._foreach_norm(g)).float().square().sum() if g
                    else torch.zeros((), device=self.device) for g in (grads[True], grads[False])]
         sharded = _all_reduce(squares[0].reshape(1), state.get_state().tp_group)

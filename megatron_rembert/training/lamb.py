@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_rembert.parallel.layers import is_tp_sharded
+
 # (lp-parameter groups, flat fp32 partitions) of DeepSpeed's wrappers that partition.
 _FLAT_WRAPPERS = (("bit16_groups", "single_partition_of_fp32_groups"),  # ZeRO 1 and 2
                   ("bf16_groups", "fp32_groups_flat_partition"))  # BF16_Optimizer
@@ -37,10 +39,6 @@ class _Fragments:
     sharded: torch.Tensor  # per logical parameter: split across the tensor-parallel group
     dp_group: object = None  # set when fragments of one parameter are spread over DP ranks
     key: tuple = ()
-
-
-def _is_sharded(param: torch.Tensor) -> bool:
-    return bool(getattr(param, "tensor_model_parallel", False))
 
 
 class Lamb(torch.optim.Optimizer):
@@ -65,7 +63,7 @@ class Lamb(torch.optim.Optimizer):
         n = len(params)
         return _Fragments(tensors=list(range(n)), starts=[0] * n,
                           sizes=[p.numel() for p in params], ids=torch.arange(n),
-                          sharded=torch.tensor([_is_sharded(p) for p in params]))
+                          sharded=torch.tensor([is_tp_sharded(p) for p in params]))
 
     def _flat_fragments(self, index: int, flat: torch.Tensor) -> _Fragments:
         lp_name, hp_name = next((lp, hp) for lp, hp in _FLAT_WRAPPERS
@@ -86,7 +84,7 @@ class Lamb(torch.optim.Optimizer):
         group = self._wrapper.real_dp_process_group[position]
         fragments = _Fragments(tensors=[0] * len(ids), starts=starts, sizes=sizes,
                                ids=torch.tensor(ids, dtype=torch.long),
-                               sharded=torch.tensor([_is_sharded(p) for p in lp_params]),
+                               sharded=torch.tensor([is_tp_sharded(p) for p in lp_params]),
                                dp_group=group)
         # Every element of every parameter must be covered exactly once across the DP ranks.
         covered = torch.zeros(len(lp_params), dtype=torch.float64)
