@@ -81,13 +81,28 @@ FINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEM
          "BOOT_FAIL", "DEADLINE", "PREEMPTED")
 
 
+def daemon_log_lines(job_id: str, env: dict, limit: int = 40) -> str:
+    """The lines of slurmctld's and slurmd's logs that name the job (for failure messages)."""
+    base = job_id.split("_")[0]
+    pattern = re.compile(rf"(JobId=|job |Job |StepId=|\[){re.escape(base)}\b")
+    folder = Path(env.get("SLURM_CONF", "/nonexistent")).parent
+    lines = []
+    for name in ("slurmctld.log", "slurmd.log"):
+        path = folder / name
+        if path.is_file():
+            lines += [f"{name}: {x}" for x in path.read_text(errors="replace").splitlines()
+                      if pattern.search(x)]
+    return "\n".join(lines[-limit:]) or f"(no daemon log lines for job {job_id} in {folder})"
+
+
 def wait_job(job_id: str, env: dict, timeout: float, log: Path | None = None) -> dict:
     info = poll(lambda: (i := job_info(job_id, env)).get("JobState") in FINAL and i,
                 timeout, f"job {job_id} to end")
     if info["JobState"] != "COMPLETED" or info.get("ExitCode") != "0:0":
         text = log.read_text() if log is not None and log.exists() else "(no log)"
         raise AssertionError(f"job {job_id} ended {info['JobState']} exit {info.get('ExitCode')}"
-                             f"\n--- log:\n{text[-6000:]}")
+                             f" reason {info.get('Reason')}\n--- log:\n{text[-6000:]}"
+                             f"\n--- daemons:\n{daemon_log_lines(job_id, env)}")
     return info
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -80,10 +81,13 @@ def test_signalled_job_checkpoints_requeues_and_resumes(slurm, jobs, tiny_datase
     poll(lambda: len(read_metrics(tmp_path / "logs")) >= 3, JOB_TIMEOUT, "the first steps")
     run(["scancel", "--signal=USR1", "--batch", job], slurm)
     # SLURM holds a requeued job for about two minutes before it may start again; release it
-    # at once rather than wait.
+    # rather than wait, but not within the second of the requeue: slurmd revoked the first run's
+    # credential then, compares times in whole seconds, and refuses (the job FAILS, exit 1) a
+    # launch whose credential is not newer ("Job N already killed, do not launch batch job").
     # (On its way back, the job passes through states such as CANCELLED with Restarts=1.)
     poll(lambda: (i := job_info(job, slurm)).get("Restarts") == "1"
          and i.get("JobState") == "PENDING", JOB_TIMEOUT, "the requeued job in the queue")
+    time.sleep(2.0)
     run(["scontrol", "update", f"JobId={job}", "StartTime=now"], slurm)
     info = wait_job(job, slurm, JOB_TIMEOUT, log)
     assert info["Restarts"] == "1", info
