@@ -83,8 +83,9 @@ FINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEM
 
 def daemon_log_lines(job_id: str, env: dict, limit: int = 40) -> str:
     """The lines of slurmctld's and slurmd's logs that name the job (for failure messages)."""
-    base = job_id.split("_")[0]
-    pattern = re.compile(rf"(JobId=|job |Job |StepId=|\[){re.escape(base)}\b")
+    # "JobId=26", "batch job 26", "[26.batch]", "StepId=26.0"; not a timestamp's "[2026-".
+    base = re.escape(job_id.split("_")[0])
+    pattern = re.compile(rf"(JobId=|[Jj]ob ){base}\b|(StepId=|\[){base}\.")
     folder = Path(env.get("SLURM_CONF", "/nonexistent")).parent
     lines = []
     for name in ("slurmctld.log", "slurmd.log"):
