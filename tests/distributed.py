@@ -26,7 +26,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue,
+            init: bool) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -36,7 +37,8 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
     )
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if init:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         # Serialised to bytes: tensors sent as-is travel as shared-memory handles, which die
         # with this process before the parent reads them.
@@ -50,16 +52,20 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 180) -> list:
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 180,
+                    init_process_group: bool = True) -> list:
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return results by rank.
 
-    `fn` must be importable (a module-level function) and its result picklable.
+    `fn` must be importable (a module-level function) and its result picklable. With
+    `init_process_group=False` only torchrun's environment is set, and `fn` initialises the
+    process group itself, as train.py does.
     """
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=True)
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, init_process_group),
+                    daemon=True)
         for r in range(world_size)
     ]
     for p in procs:

@@ -4,8 +4,9 @@ Every micro-batch is a pure function of its number (sample indices from the samp
 from (seed, sample index)), so workers can build them in any order and the loader hands them
 out in order; the result does not depend on `num_workers`.
 
-Yielded batches are dicts (see `masking.mask_batch`): `input_ids`, `token_type_ids`,
-`masked_positions`, `masked_labels` int64 and `attention_mask`, `masked_weights` float32, as
+Yielded batches are dicts (see `masking.mask_batch` and `masking.BATCH_DTYPES`): `input_ids`,
+`attention_mask`, `token_type_ids`, `masked_positions`, `masked_labels` int64 and
+`masked_weights` float32, as
 torch tensors (`return_tensors="pt"`, the default; CPU, the trainer moves them) or numpy arrays.
 """
 

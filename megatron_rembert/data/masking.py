@@ -25,6 +25,14 @@ from megatron_rembert.data.sampler import rng_for
 MASK_STREAM = 2  # the rng_for tag of the masking stream (0, 1: sampler)
 
 
+# The micro-batch every loader yields and the trainer checks: key -> dtype (torch's the same).
+# Integers wherever a value is not a real number: DeepSpeed's pipeline engine takes every
+# floating-point tensor it passes between stages for an activation that needs a gradient.
+BATCH_DTYPES = {"input_ids": np.int64, "attention_mask": np.int64, "token_type_ids": np.int64,
+                "masked_positions": np.int64, "masked_labels": np.int64,
+                "masked_weights": np.float32}
+
+
 def default_max_predictions(seq_length: int, mask_prob: float = 0.15) -> int:
     """P: room for every prediction of a full row, rounded up to a multiple of 8 (512 -> 80)."""
     return 8 * math.ceil(math.ceil(seq_length * mask_prob) / 8)
@@ -168,7 +176,7 @@ def mask_sequence(ids: np.ndarray, index: int, cfg: MaskingConfig,
 def mask_batch(ids: np.ndarray, indices: np.ndarray, cfg: MaskingConfig,
                word_starts: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """ids [B, S] + global sample indices [B] -> the batch dict:
-    input_ids [B,S] int64, attention_mask [B,S] float32 (1 real, 0 pad), token_type_ids [B,S]
+    input_ids [B,S] int64, attention_mask [B,S] int64 (1 real, 0 pad), token_type_ids [B,S]
     int64 (zeros), masked_positions [B,P] int64, masked_labels [B,P] int64,
     masked_weights [B,P] float32.
 
@@ -201,7 +209,7 @@ def mask_batch(ids: np.ndarray, indices: np.ndarray, cfg: MaskingConfig,
         ids64[np.concatenate(rows), np.concatenate(cols)] = np.concatenate(news)
     return {
         "input_ids": ids64,
-        "attention_mask": (src != cfg.special_ids.pad).astype(np.float32),
+        "attention_mask": (src != cfg.special_ids.pad).astype(np.int64),
         "token_type_ids": np.zeros_like(ids64),
         "masked_positions": positions,
         "masked_labels": labels,

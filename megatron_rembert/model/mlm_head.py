@@ -7,7 +7,7 @@ position; gathering the P masked positions of each sequence first makes it ~6%.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -23,12 +23,16 @@ from megatron_rembert.parallel.layers import VocabParallelEmbedding, VocabParall
 from megatron_rembert.parallel.mappings import copy_to_tp
 
 
-@dataclass
-class MLMLoss:
+class MLMLoss(NamedTuple):
     """Sums over this rank's real masked tokens; the trainer divides by the global count.
 
     loss_sum: sum of per-token cross-entropies (weighted by masked_weights); num_tokens: sum of
     masked_weights; num_correct: tokens whose target has the highest logit.
+
+    A tuple on purpose: DeepSpeed hooks the backward of the tensors it finds in a forward's
+    output (tensors, tuples, lists, dicts) to start each micro-batch's backward (its bf16
+    optimizer clears the previous micro-batch's bf16 gradients there); inside a dataclass it
+    finds nothing, and the gradients of every micro-batch were summed again at each later one.
     """
 
     loss_sum: torch.Tensor

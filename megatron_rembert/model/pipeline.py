@@ -1,10 +1,21 @@
 """The model as a flat list of pipeline layers: embeddings, N Transformer layers, MLM head.
 
 Each pipeline layer subclasses the module it wraps, keeping its parameter names, and knows its
-global name prefix (`PIPE_PREFIX`), so layout-independent initialisation and checkpoint
-conversion see the same names as in the plain model. Activations between stages are the tuple
-(hidden B x S x H, attention_mask B x S, masked_positions B x P); the head's loss needs the
-labels, which the pipeline engine gives to the loss function on the last stage.
+global name prefix (`pipe_prefix`), so layout-independent initialisation and checkpoint
+conversion see the same names as in the plain model.
+
+The first stage takes `PIPE_INPUTS` (see `pipeline_inputs`); activations between stages are
+(hidden B x S x H, attention_mask B x S, masked_positions B x P, masked_labels B x P,
+masked weights B x P as int32 bits). The last stage's forward computes the loss and returns
+`MLMLoss`, as the plain model does. Two rules of DeepSpeed's pipeline engine shape this:
+- every floating-point tensor passed between stages is taken for an activation that receives a
+  gradient, so the masks and labels travel as integers and the float weights as their int32
+  bit pattern (exact; `view` reinterprets the bytes);
+- the engine hooks the backward of the last stage's forward output to start a micro-batch's
+  backward (its bf16 optimizer clears the previous bf16 gradients there). A loss computed
+  after that output, in the engine's `loss_fn`, put the head's gradients in `.grad` before the
+  hook fired, and the hook wiped them: the MLM head never trained. So the loss is computed
+  in forward and `loss_fn` only scales it.
 """
 
 from __future__ import annotations
@@ -16,13 +27,23 @@ from megatron_rembert.model.embeddings import RemBertEmbeddings
 from megatron_rembert.model.mlm_head import MLMHead, MLMLoss, gather_positions
 from megatron_rembert.model.transformer import TransformerLayer
 
+# The first stage's inputs, in order (keys of a micro-batch; the weights as int32 bits).
+PIPE_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "masked_positions",
+               "masked_labels", "masked_weights")
+
+
+def pipeline_inputs(micro_batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The first stage's input tuple of a micro-batch (see the module docstring)."""
+    weights = micro_batch["masked_weights"].to(torch.float32).contiguous()
+    return tuple(micro_batch[k] for k in PIPE_INPUTS[:-1]) + (weights.view(torch.int32),)
+
 
 class EmbeddingPipe(RemBertEmbeddings):
     pipe_prefix = "rembert.embeddings."
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        input_ids, attention_mask, token_type_ids, masked_positions = inputs
-        return super().forward(input_ids, token_type_ids), attention_mask, masked_positions
+        input_ids, attention_mask, token_type_ids, *targets = inputs
+        return (super().forward(input_ids, token_type_ids), attention_mask, *targets)
 
 
 class TransformerLayerPipe(TransformerLayer):
@@ -31,24 +52,20 @@ class TransformerLayerPipe(TransformerLayer):
         self.pipe_prefix = f"rembert.layers.{index}."
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        hidden, attention_mask, masked_positions = inputs
-        return super().forward(hidden, attention_mask.bool()), attention_mask, masked_positions
+        hidden, attention_mask, *targets = inputs
+        return (super().forward(hidden, attention_mask.bool()), attention_mask, *targets)
 
 
 class MLMHeadPipe(MLMHead):
-    """Gathers the masked positions; the loss runs in `loss`, called with the labels."""
+    """Gathers the masked positions and computes the loss sums, as RemBertForPreTraining."""
 
     pipe_prefix = "mlm_head."
 
-    def forward(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        hidden, _attention_mask, masked_positions = inputs
-        return gather_positions(hidden, masked_positions)  # (B*P) x H
-
-    def loss(self, masked_hidden: torch.Tensor, labels: tuple[torch.Tensor, torch.Tensor]
-             ) -> MLMLoss:
-        masked_labels, masked_weights = labels
-        return MLMHead.forward(self, masked_hidden, masked_labels.reshape(-1),
-                               masked_weights.reshape(-1))
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> MLMLoss:
+        hidden, _attention_mask, masked_positions, masked_labels, weight_bits = inputs
+        masked_weights = weight_bits.contiguous().view(torch.float32)  # B x P
+        return super().forward(gather_positions(hidden, masked_positions),
+                               masked_labels.reshape(-1), masked_weights.reshape(-1))
 
 
 def pipeline_layer_builders(config: ModelConfig) -> list[tuple[type, tuple]]:

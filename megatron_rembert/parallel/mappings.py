@@ -5,8 +5,9 @@
 - `reduce_from_tp`: all-reduce forward, identity backward. Placed where each rank holds a
   partial sum (row-parallel linear, vocab-parallel embedding).
 
-Every all-reduce goes through `all_reduce_`, which counts calls in `ALL_REDUCE_COUNTS` so tests
-can check the communication plan (exactly one forward all-reduce per attention and FFN block).
+Every all-reduce goes through `all_reduce_` (and from there through `parallel.comm`), which
+counts calls in `ALL_REDUCE_COUNTS` so tests can check the communication plan (exactly one
+forward all-reduce per attention and FFN block).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
-from megatron_rembert.parallel import state
+from megatron_rembert.parallel import comm, state
 
 ALL_REDUCE_COUNTS: Counter = Counter()
 
@@ -28,7 +29,7 @@ def all_reduce_(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, tag: str
             return
         group = state.tp_group()
     ALL_REDUCE_COUNTS[tag] += 1
-    dist.all_reduce(tensor, op=op, group=group)
+    comm.all_reduce(tensor, op=op, group=group)
 
 
 class _CopyToTP(torch.autograd.Function):

@@ -1,10 +1,12 @@
-"""Dropout RNG under tensor parallelism.
+"""Dropout RNG under tensor and pipeline parallelism.
 
 Two streams, as in Megatron-LM:
 - the default torch generator, seeded identically on all TP peers, for dropout on replicated
   activations (hidden states after a row-parallel all-reduce): every peer drops the same units;
 - a per-TP-rank stream, entered with `tp_rng()`, for dropout on sharded activations (attention
   probabilities of this rank's heads): peers must draw different masks for different heads.
+Both are offset by 100 x the pipeline stage (Megatron's offset): stages seeded alike would draw
+the same random sequence, correlating the dropout masks of different layers.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from megatron_rembert.parallel import state
 
 # Offset separating the TP stream from the default stream of the same base seed.
 _TP_SEED_OFFSET = 2718
+# Seed offset per pipeline stage.
+_PP_SEED_STRIDE = 100
 
 _tp_states: dict[str, torch.Tensor] = {}
 
@@ -35,7 +39,12 @@ def _set_state(device: torch.device, rng_state: torch.Tensor) -> None:
 
 
 def seed_all(seed: int, device: torch.device | str = "cpu") -> None:
-    """Seed the default stream (same on TP peers) and this rank's TP stream."""
+    """Seed the default stream (same on TP peers) and this rank's TP stream, both offset by
+    this rank's pipeline stage."""
+    _seed_streams(seed + _PP_SEED_STRIDE * state.get_state().pp_rank, device)
+
+
+def _seed_streams(seed: int, device: torch.device | str) -> None:
     device = torch.device(device)
     torch.manual_seed(seed + _TP_SEED_OFFSET + state.tp_rank())  # seeds CPU and CUDA
     _tp_states[device.type] = _get_state(device)
@@ -47,7 +56,7 @@ def tp_rng(device: torch.device | str = "cpu"):
     """Run the body on this TP rank's own RNG stream, then return to the default stream."""
     device = torch.device(device)
     if device.type not in _tp_states:
-        seed_all(torch.initial_seed(), device)
+        _seed_streams(torch.initial_seed(), device)
     saved = _get_state(device)
     _set_state(device, _tp_states[device.type])
     try:

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from megatron_rembert.data.common import atomic_write, atomic_write_json
+from megatron_rembert.parallel import comm
 from megatron_rembert.parallel import random as tp_random
 
 COMPLETE = "complete"
@@ -40,12 +40,11 @@ class ResumeState:
 
 
 def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    return comm.rank()
 
 
 def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+    comm.barrier()
 
 
 def step_tag(step: int) -> str:
@@ -72,11 +71,10 @@ def save_checkpoint(engine, save_dir: str | Path, step: int, consumed_samples: i
         torch.save(tp_random.get_rng_states(), rng_dir / f"rank_{_rank():05d}.pt")
     except OSError as err:  # a full disk, a lost mount: fail on every rank, keep `latest`
         error = err
-    failed = torch.tensor([0 if error is None else 1])
-    if dist.is_initialized():
-        dist.all_reduce(failed)  # also the barrier: every rank's files are on disk
-    if failed.item():
-        raise CheckpointError(f"saving {folder} failed on {failed.item()} rank(s)"
+    # Also the barrier: every rank's files are on disk.
+    (failed,) = comm.all_reduce_values([0.0 if error is None else 1.0])
+    if failed:
+        raise CheckpointError(f"saving {folder} failed on {int(failed)} rank(s)"
                               + (f": {error}" if error else "")
                               + f"; {save_dir / LATEST} still names the last good checkpoint")
     if _rank() == 0:

@@ -30,6 +30,8 @@ class ParallelConfig:
     zero_stage: int = 1  # ZeRO stage 1 or 2; 0 only for fp32 with pp = 1; pp > 1 needs 1
     ds_config: str = ""  # JSON with further DeepSpeed knobs (buckets, loss scaler); optional
     activation_checkpointing: bool = False  # recompute each Transformer layer in backward
+    # A collective waiting longer than this fails, naming each rank's step and instruction
+    timeout_minutes: float = 10.0
 
 
 @dataclass
@@ -199,6 +201,8 @@ def validate_config(config: Config, world_size: int) -> int:
     if par.pp > 1 and config.model.tie_embeddings:
         raise ConfigError("model.tie_embeddings=true needs parallel.pp=1: the tied table would "
                           "span the first and last pipeline stages")
+    if not par.timeout_minutes > 0:
+        raise ConfigError(f"parallel.timeout_minutes={par.timeout_minutes}: must be > 0")
     if par.zero_stage not in (0, 1, 2):
         raise ConfigError(f"parallel.zero_stage={par.zero_stage}: expected 0, 1 or 2")
     if par.pp > 1 and par.zero_stage != 1:

@@ -14,21 +14,25 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
-import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
+from megatron_rembert.data.masking import BATCH_DTYPES
 from megatron_rembert.model.mlm_head import MLMLoss
-from megatron_rembert.model.pipeline import pipeline_layer_builders, pipeline_layer_costs
+from megatron_rembert.model.pipeline import (
+    pipeline_inputs,
+    pipeline_layer_builders,
+    pipeline_layer_costs,
+)
 from megatron_rembert.model.rembert import RemBertForPreTraining
-from megatron_rembert.parallel import state
+from megatron_rembert.parallel import comm, state
 from megatron_rembert.parallel.layers import init_weights, is_tp_sharded
 from megatron_rembert.parallel.random import checkpoint_safe
 from megatron_rembert.training.config import Config
+from megatron_rembert.training.hang import POSITION
 from megatron_rembert.training.lamb import Lamb
 from megatron_rembert.training.optim import build_optimizer, build_scheduler, deepspeed_config
-
-INPUT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "masked_positions")
 
 
 @dataclass
@@ -42,15 +46,28 @@ class StepStats:
     skipped: bool = False  # the optimizer step was skipped (fp16 overflow)
 
 
-def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, group=group)
-    return t
+def check_micro_batch(mb: dict, where: str = "micro-batch") -> None:
+    """The keys, dtypes and shapes every micro-batch must have (data.masking.BATCH_DTYPES):
+    a float mask, say, would make DeepSpeed's pipeline engine wait for its gradient."""
+    if set(mb) != set(BATCH_DTYPES):
+        raise ValueError(f"{where}: keys {sorted(mb)}, expected {sorted(BATCH_DTYPES)}")
+    for key, dtype in BATCH_DTYPES.items():
+        expected = torch.from_numpy(np.zeros(0, dtype)).dtype
+        if mb[key].dtype != expected:
+            raise ValueError(f"{where}: {key} is {mb[key].dtype}, expected {expected} "
+                             "(data.masking.BATCH_DTYPES)")
+    b, s = mb["input_ids"].shape
+    p = mb["masked_positions"].shape[1]
+    for key in BATCH_DTYPES:
+        if tuple(mb[key].shape) != ((b, p) if key.startswith("masked_") else (b, s)):
+            raise ValueError(f"{where}: {key} has shape {tuple(mb[key].shape)}, expected "
+                             f"{(b, p) if key.startswith('masked_') else (b, s)}")
 
 
-def _stats_tensor(out: MLMLoss) -> torch.Tensor:
+def _stats(out: MLMLoss) -> torch.Tensor:
+    """[loss_sum, tokens, correct] on the training device (no host sync)."""
     return torch.stack([out.loss_sum.detach().float(), out.num_tokens.detach().float(),
-                        out.num_correct.detach().float()]).cpu()
+                        out.num_correct.detach().float()])
 
 
 def _recompute(function, *args):
@@ -85,7 +102,11 @@ def _build_pipeline(config: Config, dp: int):
 
 
 class Trainer:
-    """Builds the engine; `train_step` runs one global batch given as this rank's micro-batches."""
+    """Builds the engine; `train_step` runs one global batch given as this rank's micro-batches.
+
+    Step statistics stay on the training device and are read back once per step; every
+    collective goes through `parallel.comm`.
+    """
 
     def __init__(self, config: Config, dp: int, device: torch.device):
         import deepspeed
@@ -108,48 +129,52 @@ class Trainer:
         if isinstance(optimizer, Lamb) and self.optimizer is not optimizer:
             optimizer.use_flat_partitions(self.optimizer)
         self.gas = self.engine.gradient_accumulation_steps()
-        self._stats = torch.zeros(3)
-        self._loss_factor = 1.0
+        self._stats = torch.zeros(3, device=device)  # [loss_sum, tokens, correct]
+        self._loss_factor = torch.ones((), device=device)
         if self.pipeline:
             self.engine.module.loss_fn = self._pipeline_loss
+            _track_instructions(self.engine)
 
     # -- pipeline plumbing ---------------------------------------------------------------
-    def _head(self):
-        return self.engine.module.forward_funcs[-1]
-
-    def _pipeline_loss(self, masked_hidden: torch.Tensor, labels) -> torch.Tensor:
-        out = self._head().loss(masked_hidden, labels)
-        self._stats += _stats_tensor(out)
+    def _pipeline_loss(self, out, _labels) -> torch.Tensor:
+        """The last stage's forward computed the loss sums (model/pipeline.py); scale them."""
+        out = MLMLoss(*out)
+        self._stats += _stats(out)
         return out.loss_sum * self._loss_factor
 
     def _pipeline_items(self, micro_batches: list[dict]):
-        for mb in micro_batches:
-            yield (tuple(mb[k] for k in INPUT_KEYS),
-                   (mb["masked_labels"], mb["masked_weights"]))
+        for i, mb in enumerate(micro_batches):
+            POSITION.set(detail=f"loading micro-batch {i + 1}/{len(micro_batches)}")
+            # The labels travel with the activations; the engine's own label slot is unused.
+            yield pipeline_inputs(mb), ()
 
     # -- steps ---------------------------------------------------------------------------
-    def _to_device(self, mb: dict) -> dict:
-        return {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
-
-    def _global_tokens(self, micro_batches: list[dict]) -> float:
-        tokens = torch.tensor([float(sum(mb["masked_weights"].sum() for mb in micro_batches))])
-        return _all_reduce(tokens, state.get_state().dp_group).item()
+    def _prepare(self, micro_batches: list[dict]) -> list[dict]:
+        """Checked, moved to the training device, and the loss factor of this global batch:
+        `gas * dp / global masked tokens`, kept on the device (no host sync)."""
+        for i, mb in enumerate(micro_batches):
+            check_micro_batch(mb, f"micro-batch {i}")
+        local = sum(float(mb["masked_weights"].sum()) for mb in micro_batches)  # CPU tensors
+        tokens = comm.all_reduce(torch.tensor(local, dtype=torch.float32, device=self.device),
+                                 group=state.get_state().dp_group)
+        self._loss_factor = (self.gas * self.dp) / tokens.clamp(min=1.0)
+        self._stats = torch.zeros(3, device=self.device)
+        return [{k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
+                for mb in micro_batches]
 
     def _finish_stats(self) -> tuple[float, float, int]:
         stats = self._stats
         if self.pipeline:  # only the last stage computed the loss
-            stats = _all_reduce(stats, state.get_state().pp_group)
-        stats = _all_reduce(stats, state.get_state().dp_group)
-        loss_sum, tokens, correct = stats.tolist()
+            stats = comm.all_reduce(stats, group=state.get_state().pp_group)
+        stats = comm.all_reduce(stats, group=state.get_state().dp_group)
+        loss_sum, tokens, correct = stats.tolist()  # the step's one read-back
         tokens = max(tokens, 1.0)
         return loss_sum / tokens, correct / tokens, int(tokens)
 
     def train_step(self, micro_batches: list[dict]) -> StepStats:
         if len(micro_batches) != self.gas:
             raise ValueError(f"expected {self.gas} micro-batches, got {len(micro_batches)}")
-        micro_batches = [self._to_device(mb) for mb in micro_batches]
-        self._loss_factor = self.gas * self.dp / max(self._global_tokens(micro_batches), 1.0)
-        self._stats = torch.zeros(3)
+        micro_batches = self._prepare(micro_batches)
         skipped_before = self.engine.skipped_steps
         lr = self.scheduler.get_last_lr()[0]  # the rate this step applies
         self.engine.train()
@@ -158,12 +183,14 @@ class Trainer:
         else:
             own_norm = None  # DeepSpeed clips with the norm at ZeRO 0 but reports None
             for i, mb in enumerate(micro_batches):
+                POSITION.set(detail=f"micro-batch {i + 1}/{len(micro_batches)}")
                 out = self.engine(**mb)
-                self._stats += _stats_tensor(out)
+                self._stats += _stats(out)
                 self.engine.backward(out.loss_sum * self._loss_factor)
                 if i == len(micro_batches) - 1 and self.config.parallel.zero_stage == 0:
                     own_norm = self._grad_norm()
                 self.engine.step()
+        POSITION.set(detail="step statistics")
         loss, acc, tokens = self._finish_stats()
         grad_norm = self.engine.get_global_grad_norm()
         if grad_norm is None and not self.pipeline:
@@ -186,21 +213,20 @@ class Trainer:
                 grads[is_tp_sharded(p)].append(p.grad)
         squares = [torch.stack(torch._foreach_norm(g)).float().square().sum() if g
                    else torch.zeros((), device=self.device) for g in (grads[True], grads[False])]
-        sharded = _all_reduce(squares[0].reshape(1), state.get_state().tp_group)
+        sharded = comm.all_reduce(squares[0].reshape(1), group=state.get_state().tp_group)
         return (sharded[0] + squares[1]).sqrt()
 
     @torch.no_grad()
     def eval_step(self, micro_batches: list[dict]) -> tuple[float, float, int]:
         """Loss and MLM accuracy over the given micro-batches (all DP ranks together)."""
-        micro_batches = [self._to_device(mb) for mb in micro_batches]
-        self._stats = torch.zeros(3)
+        micro_batches = self._prepare(micro_batches)
         self.engine.eval()
         if self.pipeline:
             self.engine.eval_batch(data_iter=self._pipeline_items(micro_batches),
                                    num_micro_batches=len(micro_batches))
         else:
             for mb in micro_batches:
-                self._stats += _stats_tensor(self.engine(**mb))
+                self._stats += _stats(self.engine(**mb))
         return self._finish_stats()
 
     def loss_scale(self) -> float | None:
@@ -208,3 +234,21 @@ class Trainer:
             return None
         scale = getattr(self.optimizer, "cur_scale", None)  # DeepSpeed's ZeRO optimizers
         return float(scale) if scale is not None else None
+
+
+def _track_instructions(engine) -> None:
+    """Record each pipeline-schedule instruction in POSITION before it runs, so that a hang
+    names it. DeepSpeed's pipeline engine looks its instructions up in `_INSTRUCTION_MAP`
+    through the instance; an instance-level copy wraps them (skipped if that changes)."""
+    base = getattr(type(engine), "_INSTRUCTION_MAP", None)
+    if not isinstance(base, dict):
+        return
+
+    def tracked(kind, run):
+        def run_tracked(self, **kwargs):
+            args = ", ".join(f"{k}={v}" for k, v in kwargs.items())
+            POSITION.set(detail=f"pipeline instruction {kind.__name__}({args})")
+            return run(self, **kwargs)
+        return run_tracked
+
+    engine._INSTRUCTION_MAP = {kind: tracked(kind, run) for kind, run in base.items()}

@@ -20,8 +20,8 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
+from megatron_rembert.parallel import comm
 from megatron_rembert.parallel.layers import is_tp_sharded
 
 # (lp-parameter groups, flat fp32 partitions) of DeepSpeed's wrappers that partition.
@@ -89,9 +89,7 @@ class Lamb(torch.optim.Optimizer):
         # Every element of every parameter must be covered exactly once across the DP ranks.
         covered = torch.zeros(len(lp_params), dtype=torch.float64)
         covered.index_add_(0, fragments.ids, torch.tensor(sizes, dtype=torch.float64))
-        covered = covered.to(flat.device)
-        if dist.is_initialized():
-            dist.all_reduce(covered, group=group)
+        comm.all_reduce(covered, group=group)
         expected = torch.tensor([p.numel() for p in lp_params], dtype=torch.float64)
         if not torch.equal(covered.cpu(), expected):
             raise RuntimeError("Lamb: DeepSpeed's partition map does not cover the parameters "
@@ -125,12 +123,12 @@ class Lamb(torch.optim.Optimizer):
             norms = torch.stack([torch.stack(torch._foreach_norm(weights)),
                                  torch.stack(torch._foreach_norm(updates))]).float()
             sums.index_add_(1, fragments.ids.to(device), norms.square())
-        if fragments.dp_group is not None and dist.is_initialized():
-            dist.all_reduce(sums, group=fragments.dp_group)
+        if fragments.dp_group is not None:
+            comm.all_reduce(sums, group=fragments.dp_group)
         if self.tp_group is not None and bool(fragments.sharded.any()):
             mask = fragments.sharded.to(device)
             shards = sums[:, mask].contiguous()
-            dist.all_reduce(shards, group=self.tp_group)
+            comm.all_reduce(shards, group=self.tp_group)
             sums[:, mask] = shards
         w_norm, u_norm = sums.sqrt()
         ratio = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm,
@@ -152,7 +150,7 @@ class Lamb(torch.optim.Optimizer):
             for p in params:
                 state = self.state[p]
                 if not state:
-                    state["step"] = torch.tensor(0.0)
+                    state["step"] = torch.zeros((), device=p.device)  # on the device, as torch
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p,
                                                            memory_format=torch.preserve_format)

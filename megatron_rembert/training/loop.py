@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -15,10 +16,11 @@ from megatron_rembert.data.common import sha256_file
 from megatron_rembert.data.loader import build_pretraining_loader, build_validation_loader
 from megatron_rembert.data.shards import ShardDataset
 from megatron_rembert.model.sizes import flops_per_token
+from megatron_rembert.parallel import comm, state
 from megatron_rembert.parallel import random as tp_random
-from megatron_rembert.parallel import state
 from megatron_rembert.training import checkpoint as ckpt
 from megatron_rembert.training.config import Config, validate_config
+from megatron_rembert.training.hang import POSITION, Watchdog, describe, is_collective_failure
 from megatron_rembert.training.metrics import MetricsLogger, format_line, memory_gib, peak_flops
 
 
@@ -39,14 +41,14 @@ class StopFlag:
         self.raised = True
 
     def agreed(self) -> bool:
-        flag = torch.tensor([1 if self.raised else 0])
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        (flag,) = comm.all_reduce_values([1.0 if self.raised else 0.0], op=dist.ReduceOp.MAX)
+        return flag > 0
 
 
-def setup_distributed() -> tuple[int, int, torch.device]:
-    """Initialise torch.distributed from torchrun's environment (or a single process)."""
+def setup_distributed(timeout_minutes: float = 10.0) -> tuple[int, int, torch.device]:
+    """Initialise torch.distributed from torchrun's environment (or a single process), with
+    `timeout_minutes` for every process group, ours and DeepSpeed's; collectives run on the
+    training device (parallel.comm)."""
     import deepspeed
 
     cuda = torch.cuda.is_available()
@@ -59,7 +61,9 @@ def setup_distributed() -> tuple[int, int, torch.device]:
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")
-    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    timeout = comm.set_default_timeout(timeout_minutes)
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", timeout=timeout)
+    comm.set_device(device)
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -126,16 +130,40 @@ def _resume(trainer, config: Config, world: int) -> tuple[int, int]:
 
 
 def train(config: Config) -> dict:
-    """Run (or resume) training; returns a summary of where everything went."""
+    """Run (or resume) training; returns a summary of where everything went.
+
+    A collective that times out or breaks (a rank hung or died) ends the run with an error
+    naming this rank's position (step, phase, micro-batch or pipeline instruction).
+    """
+    rank, world, device = setup_distributed(config.parallel.timeout_minutes)
+    watchdog = Watchdog(rank, 0.9 * 60 * config.parallel.timeout_minutes).start()
+    try:
+        return _train(config, rank, world, device)
+    except Exception as err:
+        if is_collective_failure(err):
+            raise TrainingError(
+                f"{describe(rank)} when a collective failed (parallel.timeout_minutes="
+                f"{config.parallel.timeout_minutes}; the other ranks' errors name where "
+                f"they were): {err}") from err
+        raise
+    finally:
+        watchdog.stop()
+
+
+def _train(config: Config, rank: int, world: int, device: torch.device) -> dict:
     from megatron_rembert.training.engine import Trainer
 
-    rank, world, device = setup_distributed()
+    POSITION.set(step=0, phase="start-up")
     dp, sha = check_inputs(config, world, device)
     s = state.initialize_model_parallel(config.parallel.tp, config.parallel.pp)
-    tp_random.seed_all(config.train.seed, device)
     stop = StopFlag()
     log = MetricsLogger(config.train.log_dir, enabled=rank == 0)
     trainer = Trainer(config, dp, device)
+    # Dropout streams seeded after the model is built: building draws from the default stream
+    # (torch's own initialisation, overwritten by ours), as many numbers as the modules this
+    # rank happens to hold. Resuming restores the saved streams.
+    tp_random.seed_all(config.train.seed, device)
+    POSITION.set(phase="resume")
     step, consumed = _resume(trainer, config, world)
     if step:
         log.console(f"resumed from {Path(config.train.save_dir) / ckpt.step_tag(step)} "
@@ -155,12 +183,13 @@ def train(config: Config) -> dict:
     last = {}
     while step < train_cfg.steps:
         start = time.perf_counter()
+        POSITION.set(step=step + 1, phase="train step", detail="loading data")
         batches = [next(loader) for _ in range(trainer.gas)]
         stats = trainer.train_step(batches)
         step += 1
         consumed += train_cfg.global_batch_size
         elapsed = time.perf_counter() - start
-        finite = torch.isfinite(torch.tensor(stats.loss)).item()
+        finite = math.isfinite(stats.loss)
         nonfinite = 0 if finite else nonfinite + 1
         if nonfinite >= train_cfg.max_nonfinite_steps:
             raise TrainingError(
@@ -181,10 +210,13 @@ def train(config: Config) -> dict:
             log.log(step, last)
             log.console(format_line(step, train_cfg.steps, last))
         if train_cfg.eval_interval and step % train_cfg.eval_interval == 0:
+            POSITION.set(phase="validation")
             evaluate(trainer, config, s.dp_rank, dp, sha, step, log)
+        POSITION.set(phase="signal agreement")
         stopping = stop.agreed()
         periodic = train_cfg.save_interval and step % train_cfg.save_interval == 0
         if (periodic or stopping or step == train_cfg.steps) and finite:
+            POSITION.set(phase="checkpoint save")
             ckpt.save_checkpoint(trainer.engine, train_cfg.save_dir, step, consumed, meta,
                                  train_cfg.keep_last)
             last_saved = step

@@ -41,6 +41,17 @@ def deepspeed_config(config: Config, dp: int) -> dict:
               gradient_accumulation_steps=gas,
               gradient_clipping=config.optim.clip_grad,
               steps_per_print=10**9)  # our own logging replaces DeepSpeed's
+    # Gradients accumulate over micro-batches in fp32 in every precision (for bf16 under ZeRO-1
+    # this selects DeepSpeed's BF16_Optimizer; DeepSpeed's default accumulates in bf16), and
+    # are summed over DP ranks in fp32 unless the JSON asks for half the traffic: a bf16 sum
+    # over ranks moved a parameter 2e-3 (relative) differently from one process already at
+    # dp = 2 (tests/training/test_lamb.py), Megatron-LM reduces in fp32 under bf16 too.
+    accum = ds.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
+    if accum not in ("fp32", "float32"):
+        raise ConfigError(f"{config.parallel.ds_config}: data_types.grad_accum_dtype={accum!r}; "
+                          "gradients are accumulated in fp32: remove the key")
+    if train.precision != "fp32":
+        ds.setdefault("communication_data_type", "fp32")
     ds.setdefault("bf16", {})["enabled"] = train.precision == "bf16"
     ds.setdefault("fp16", {})["enabled"] = train.precision == "fp16"
     ds.setdefault("zero_optimization", {})["stage"] = config.parallel.zero_stage

@@ -105,6 +105,16 @@ def read_local_shard(f, key: str, param: nn.Parameter) -> torch.Tensor:
     return out
 
 
+def init_adam_state(st: dict, param: torch.Tensor, step: float) -> None:
+    """Adam's state of one tensor as torch's AdamW creates it: every tensor on the parameter's
+    device (fused AdamW on CUDA refuses a CPU `step`), `step` a float32 scalar, the moments
+    fp32 zeros unless already there."""
+    st["step"] = torch.tensor(float(step), dtype=torch.float32, device=param.device)
+    for k in OPTIM_KEYS:
+        if k not in st:
+            st[k] = torch.zeros_like(param, dtype=torch.float32, device=param.device)
+
+
 def load_portable(engine, folder: Path, meta: dict) -> None:
     """Load a portable checkpoint into a DeepSpeed engine built for any layout.
 
@@ -125,10 +135,7 @@ def load_portable(engine, folder: Path, meta: dict) -> None:
     steps = info.get("steps") or [0.0] * len(base.param_groups)
     if not weights_only and flats is not None:
         for group, flat in enumerate(flats):  # Adam's state is created lazily: create it now
-            st = base.state.setdefault(flat, {})
-            st["step"] = torch.tensor(float(steps[group]))
-            for k in OPTIM_KEYS:
-                st.setdefault(k, torch.zeros_like(flat))
+            init_adam_state(base.state.setdefault(flat, {}), flat, steps[group])
         opt._hp_optimizer_states_linked = False
         opt._lazy_init_hp_params_optimizer_state()
     group_of = {id(p): g for g, grp in enumerate(base.param_groups) for p in grp["params"]}
@@ -151,8 +158,8 @@ def load_portable(engine, folder: Path, meta: dict) -> None:
                     safe_set_full_optimizer_state(param, value.float(), key.split("/")[0])
                 else:  # plain torch optimizer: the module parameters are the master weights
                     st = base.state.setdefault(param, {})
-                    st["step"] = torch.tensor(float(steps[group_of[id(param)]]))
-                    st[key.split("/")[0]] = value.float().clone()
+                    init_adam_state(st, param, steps[group_of[id(param)]])
+                    st[key.split("/")[0]].copy_(value)
     finally:
         for ctx, _ in handles.values():
             ctx.__exit__(None, None, None)

@@ -9,6 +9,7 @@ import torch
 
 from megatron_rembert.data.common import DataError
 from megatron_rembert.data.loader import build_pretraining_loader, build_validation_loader
+from megatron_rembert.data.masking import BATCH_DTYPES
 
 
 def _take(data_dir, n, **kw):
@@ -44,8 +45,9 @@ def test_torch_batch_and_whole_word(dataset, tokenizer):
     (b,) = _take(dataset, 1, return_tensors="pt", whole_word_mask=True, vocab_size=1000)
     assert set(b) == {"input_ids", "attention_mask", "token_type_ids", "masked_positions",
                       "masked_labels", "masked_weights"}
-    assert b["input_ids"].dtype == torch.int64 and b["masked_weights"].dtype == torch.float32
-    assert b["attention_mask"].dtype == torch.float32 and b["input_ids"].shape == (2, 64)
+    assert {k: v.dtype for k, v in b.items()} == {
+        k: torch.from_numpy(np.zeros(0, dtype)).dtype for k, dtype in BATCH_DTYPES.items()}
+    assert b["attention_mask"].dtype == torch.int64 and b["input_ids"].shape == (2, 64)
     assert b["masked_positions"].shape == (2, 16) and b["masked_weights"].sum() > 0
     with pytest.raises(DataError, match="vocab_size=999"):
         _take(dataset, 1, vocab_size=999)

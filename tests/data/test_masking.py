@@ -55,7 +55,8 @@ def test_statistics_and_specials():
     untouched[rows, pos] = False
     np.testing.assert_array_equal(b["input_ids"][untouched], ids[untouched])
     assert (b["masked_positions"][~w] == 0).all() and (b["masked_labels"][~w] == 0).all()
-    np.testing.assert_array_equal(b["attention_mask"], (ids != 0).astype(np.float32))
+    np.testing.assert_array_equal(b["attention_mask"], (ids != 0).astype(np.int64))
+    assert b["attention_mask"].dtype == np.int64
     assert (b["token_type_ids"] == 0).all()
 
 

@@ -1,0 +1,110 @@
+"""Collectives only on the communication device, and only through parallel/comm.py.
+
+NCCL carries CUDA tensors only; no GPU here, so the communication device is patched to
+"meta" (a device that is not the CPU) and the collective is mocked to record what it is given.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+import megatron_rembert
+from megatron_rembert.parallel import comm
+from megatron_rembert.training import checkpoint as ckpt
+from megatron_rembert.training.loop import StopFlag
+
+PACKAGE = Path(megatron_rembert.__file__).parent
+# Every collective and point-to-point call of torch.distributed (and deepspeed.comm).
+COLLECTIVES = {
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all",
+    "all_to_all_single", "barrier", "monitored_barrier", "batch_isend_irecv", "broadcast",
+    "broadcast_object_list", "gather", "gather_object", "irecv", "isend", "recv", "reduce",
+    "reduce_scatter", "reduce_scatter_tensor", "scatter", "scatter_object_list", "send",
+}
+DIST_MODULES = {"torch.distributed", "deepspeed.comm"}
+
+
+def _direct_collectives(source: str) -> list[str]:
+    """Calls of a collective on torch.distributed / deepspeed.comm, however imported."""
+    tree = ast.parse(source)
+    aliases, names = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name in DIST_MODULES:
+                    aliases.add(a.asname or a.name)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            for a in node.names:
+                if f"{node.module}.{a.name}" in DIST_MODULES:
+                    aliases.add(a.asname or a.name)
+                elif node.module in DIST_MODULES and a.name in COLLECTIVES:
+                    names.add(a.asname or a.name)
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        if isinstance(func, ast.Name) and func.id in names:
+            found.append(f"line {node.lineno}: {func.id}")
+        elif isinstance(func, ast.Attribute) and func.attr in COLLECTIVES \
+                and ast.unparse(func.value) in aliases | DIST_MODULES:
+            found.append(f"line {node.lineno}: {ast.unparse(func)}")
+    return found
+
+
+def test_scanner_finds_every_spelling():
+    source = ("import torch.distributed as dist\nimport torch\n"
+              "from torch.distributed import all_reduce as ar\nfrom torch import distributed\n"
+              "dist.all_reduce(t)\ntorch.distributed.barrier()\nar(t)\ndistributed.send(t, 1)\n"
+              "dist.get_rank()\n")
+    assert len(_direct_collectives(source)) == 4
+
+
+def test_no_collective_outside_the_comm_helper():
+    offenders = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path == PACKAGE / "parallel" / "comm.py":
+            continue
+        found = _direct_collectives(path.read_text())
+        if found:
+            offenders[str(path.relative_to(PACKAGE))] = found
+    assert not offenders, f"call parallel.comm instead: {offenders}"
+
+
+@pytest.fixture
+def meta_comm(monkeypatch):
+    """A process group of 2 whose collectives record the device of what they are given."""
+    seen = []
+    monkeypatch.setattr(comm, "_DEVICE", torch.device("meta"))
+    monkeypatch.setattr(comm, "is_initialized", lambda: True)
+    monkeypatch.setattr(comm, "rank", lambda: 0)
+    monkeypatch.setattr(comm.dist, "all_reduce",
+                        lambda t, op=None, group=None: seen.append(t.device))
+    monkeypatch.setattr(comm, "to_host", lambda t: [0.0] * t.numel())
+    return seen
+
+
+def test_host_numbers_go_to_the_communication_device(meta_comm):
+    assert comm.all_reduce_values([1.0, 2.0]) == [0.0, 0.0]
+    comm.barrier()
+    assert meta_comm == [torch.device("meta")] * 2
+
+
+def test_stop_flag_agrees_on_the_communication_device(meta_comm):
+    assert StopFlag().agreed() is False
+    assert meta_comm == [torch.device("meta")]
+
+
+class _Engine:
+    def save_checkpoint(self, save_dir, tag, client_state, save_latest):
+        Path(save_dir, tag).mkdir(parents=True, exist_ok=True)
+
+
+def test_checkpoint_save_agrees_on_the_communication_device(meta_comm, tmp_path):
+    ckpt.save_checkpoint(_Engine(), tmp_path, 3, 24, {}, keep_last=1)
+    assert (tmp_path / "latest").read_text().strip() == "step_00000003"
+    assert meta_comm and set(meta_comm) == {torch.device("meta")}

@@ -1,0 +1,174 @@
+"""The production path against an independent reference.
+
+`run_train` trains through `train.py`'s own loop (`training.loop.train`: the real data loader,
+the DeepSpeed engine with the shipped JSONs, checkpoints) on a dataset made by data_tools, and
+reports per step the logged loss and gradient norm, and per parameter (by global name, whole
+tensors) how far training moved its fp32 master weight and the norm of Adam's first moment.
+
+`reference_run` trains the same model on the same global batches in plain torch: one process,
+fp32, the global batch in one piece, torch's AdamW and `clip_grad_norm_`; no DeepSpeed, no
+accumulation, no layout. A parameter that stays frozen moves 0; one whose gradient is counted
+twice has twice the first moment (Adam's update alone hardly shows it: it is scale-free).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+VOCAB, SEQ = 1000, 32  # the tiny_dataset fixture
+GLOBAL_BATCH, MICRO = 8, 2
+
+
+@dataclass
+class Run:
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    moved: dict[str, float] = field(default_factory=dict)  # ||w_T - w_0||
+    momentum: dict[str, float] = field(default_factory=dict)  # ||Adam's exp_avg||
+
+
+def data_overrides(data: Path, tokenizer: Path, out: Path, steps: int) -> dict:
+    """Data, batch and bookkeeping settings of a short test run (not precision, ZeRO stage,
+    ds_config or layout: those stay the config's own)."""
+    return {"data.path": data, "data.tokenizer": tokenizer, "data.seq_length": SEQ,
+            "data.num_workers": 0, "train.steps": steps, "train.global_batch_size": GLOBAL_BATCH,
+            "train.micro_batch_size": MICRO, "train.log_interval": 1, "train.save_interval": 0,
+            "train.eval_interval": steps, "train.eval_batches": 1, "optim.warmup_steps": 1,
+            "train.save_dir": out / "ckpt", "train.log_dir": out / "logs",
+            "parallel.timeout_minutes": 2}
+
+
+def as_sets(values: dict) -> list[str]:
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+# -- the production path, in spawned gloo ranks -----------------------------------------------
+def _masters_and_momentum(trainer, with_momentum: bool = True) -> tuple[dict, dict]:
+    """Full fp32 master weight and (after a step) Adam's exp_avg of each of this rank's
+    parameters (all-gathered over DP by DeepSpeed's own accessors; still a TP shard)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    from megatron_rembert.training.portable import local_parameters
+
+    masters, momentum = {}, {}
+    opt = trainer.optimizer
+    base = getattr(opt, "optimizer", opt)
+    if with_momentum and hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
+        # ZeRO-2 re-creates its parameter mappings after the link to Adam's state was made.
+        opt._hp_optimizer_states_linked = False
+        opt._lazy_init_hp_params_optimizer_state()
+    for name, param in local_parameters(trainer.engine.module):
+        master = safe_get_full_fp32_param(param)
+        masters[name] = (param if master is None else master).detach().float().clone()
+        if not with_momentum:
+            continue
+        m = safe_get_full_optimizer_state(param, "exp_avg")
+        if m is None:  # a plain torch optimizer: the parameter is its own master
+            m = base.state.get(param, {}).get("exp_avg", torch.zeros_like(param))
+        momentum[name] = m.detach().float().clone()
+    return masters, momentum
+
+
+def _tp_norms(tensors: dict, trainer) -> dict[str, float]:
+    """||tensor|| of whole parameters: squares of TP shards summed over the TP group."""
+    import torch.distributed as dist
+
+    from megatron_rembert.parallel import state
+    from megatron_rembert.parallel.layers import is_tp_sharded
+    from megatron_rembert.training.portable import local_parameters
+
+    sharded = {n: is_tp_sharded(p) for n, p in local_parameters(trainer.engine.module)}
+    out = {}
+    for name, t in tensors.items():
+        square = t.double().square().sum()
+        if sharded[name] and state.tp_size() > 1:
+            dist.all_reduce(square, group=state.tp_group())
+        out[name] = square.sqrt().item()
+    return out
+
+
+def run_train(rank, world_size, runs: list[tuple[str, list[str], bool]]) -> list[Run]:
+    """`loop.train` for each (config file, overrides, fp16 on CPU), in turn, in this group."""
+    from megatron_rembert.training import engine, loop
+    from megatron_rembert.training.config import load_config
+    from tests.training.helpers import allow_cpu_fp16
+
+    built = []
+    real_init = engine.Trainer.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        self.initial_masters = _masters_and_momentum(self, with_momentum=False)[0]
+        built.append(self)
+
+    engine.Trainer.__init__ = init
+    results = []
+    for path, sets, fp16_on_cpu in runs:
+        if fp16_on_cpu:
+            allow_cpu_fp16()
+        config = load_config(path, sets)
+        loop.train(config)
+        trainer = built[-1]
+        masters, momentum = _masters_and_momentum(trainer)
+        run = Run(moved=_tp_norms({n: masters[n] - trainer.initial_masters[n]
+                                   for n in masters}, trainer),
+                  momentum=_tp_norms(momentum, trainer))
+        if rank == 0:
+            rows = [json.loads(line) for line in
+                    (Path(config.train.log_dir) / "metrics.jsonl").read_text().splitlines()]
+            train_rows = [r for r in rows if r["split"] == "train"]
+            run.losses = [r["loss"] for r in train_rows]
+            run.grad_norms = [r["grad_norm"] for r in train_rows]
+        results.append(run)
+    return results
+
+
+def merge_ranks(per_rank: list[Run]) -> Run:
+    """Rank 0's metrics and every rank's parameters (pipeline stages own different ones)."""
+    merged = Run(losses=per_rank[0].losses, grad_norms=per_rank[0].grad_norms)
+    for run in per_rank:
+        merged.moved.update(run.moved)
+        merged.momentum.update(run.momentum)
+    return merged
+
+
+# -- the independent reference, in this process ------------------------------------------------
+def reference_run(path: str, sets: list[str]) -> Run:
+    """Plain torch, fp32, one process, each global batch in one piece."""
+    from megatron_rembert.data.loader import build_pretraining_loader
+    from megatron_rembert.model.rembert import RemBertForPreTraining
+    from megatron_rembert.training.config import load_config
+    from megatron_rembert.training.optim import build_optimizer, build_scheduler
+
+    config = load_config(path, sets + ["train.precision=fp32", "parallel.tp=1",
+                                       "parallel.pp=1"])
+    data, train = config.data, config.train
+    model = RemBertForPreTraining(config.model)
+    model.init_weights(train.seed)
+    optimizer = build_optimizer(model, config)
+    scheduler = build_scheduler(optimizer, config)
+    loader = build_pretraining_loader(
+        data.path, None, data.seq_length, train.global_batch_size, train.global_batch_size,
+        seed=train.seed, alpha=data.alpha, mask_prob=data.mask_prob,
+        whole_word_mask=data.whole_word_mask, vocab_size=config.model.vocab_size,
+        max_predictions=data.max_predictions or None, num_workers=0)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    run = Run()
+    for _ in range(train.steps):
+        out = model(**next(loader))
+        loss = out.loss_sum / out.num_tokens.clamp(min=1.0)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.optim.clip_grad)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        run.losses.append(loss.item())
+        run.grad_norms.append(norm.item())
+    for name, p in model.named_parameters():
+        run.moved[name] = (p.detach() - initial[name]).double().norm().item()
+        run.momentum[name] = optimizer.state[p]["exp_avg"].double().norm().item()
+    return run
