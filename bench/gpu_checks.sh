@@ -1,11 +1,55 @@
 #!/usr/bin/env bash
-# Every GPU check in one run, for a machine with only torch and triton installed:
-#   1. the Triton kernels against the torch references, then their speed (bench/kernels_gpu.py);
-#   2. tokens/s, TFLOP/s and MFU of the rembert preset (bench/train_throughput.py --gpu-only).
-# Usage: bash bench/gpu_checks.sh   (about 5 minutes on one H100)
-set -euo pipefail
+# The GPU acceptance checks in one run, for a machine with torch and triton and no network:
+#   1. kernels: the Triton kernels against the torch references on CUDA in fp32 and bf16, then
+#      their speed (bench/kernels_gpu.py);
+#   2. training: train.py on one GPU with NCCL, bf16 + ds_configs/zero1_bf16.json, 4
+#      micro-batches a step, 20 steps; SIGTERM after step 10 and resume == uninterrupted; tp = 2
+#      and pp = 2 on two processes sharing the GPU (gloo over CUDA tensors) against one process
+#      (bench/gpu_train_checks.py);
+#   3. rembert: tokens/s, TFLOP/s and MFU of the model step (torch + triton), then of the
+#      trainer's step (DeepSpeed, bf16, zero1_bf16.json), with its peak memory against
+#      train.py --dry-run's estimate (bench/train_throughput.py).
+# DeepSpeed and the packages it needs beyond such an image travel as wheels: make them on a
+# machine with internet with `bash bench/gpu_wheels.sh .whl`, bring the folder along, and set
+# GPU_WHEELS=.whl; they are installed into a temporary folder, nothing else is touched.
+# Every check runs even if an earlier one fails; the exit code says whether all passed.
+# Usage: [GPU_WHEELS=.whl] bash bench/gpu_checks.sh        (about 6 minutes on one H200)
+set -uo pipefail
 cd "$(dirname "$0")/.."
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-python bench/kernels_gpu.py --dtype bf16
-python bench/train_throughput.py --gpu-only --steps 5
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if [[ -n ${GPU_WHEELS:-} ]]; then
+    site=$(mktemp -d)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" \
+        "$GPU_WHEELS"/*.whl || exit 2
+    export PYTHONPATH="$PYTHONPATH:$site"
+fi
+if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    [[ -n ${GPU_CHECKS_ALLOW_CPU:-} ]] || { echo "no CUDA device: nothing to check"; exit 2; }
+    echo "no CUDA device: running the training checks on the CPU (GPU_CHECKS_ALLOW_CPU)"
+    cpu=1
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || true
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+failed=()
+check() {  # check NAME COMMAND...: run it, remember a failure, go on
+    local name=$1 start=$SECONDS
+    shift
+    echo; echo "=== $name: $*"
+    "$@" || failed+=("$name")
+    echo "=== $name: $((SECONDS - start)) s"
+}
+if [[ -z ${cpu:-} ]]; then
+    check kernels python3 bench/kernels_gpu.py
+fi
+check training python3 bench/gpu_train_checks.py --steps "${GPU_CHECKS_STEPS:-20}" \
+    --signal-at "${GPU_CHECKS_SIGNAL_AT:-10}"
+if [[ -z ${cpu:-} ]]; then
+    check rembert-model python3 bench/train_throughput.py --gpu-only --steps 5
+    check rembert-trainer python3 bench/train_throughput.py --trainer --steps 5
+fi
+echo
+if ((${#failed[@]})); then
+    echo "FAILED: ${failed[*]}"
+    exit 1
+fi
+echo "all GPU checks passed"

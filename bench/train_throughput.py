@@ -14,9 +14,12 @@ The ratio ours / hf is printed last.
 
 On a GPU it also reports tokens/s, TFLOP/s and MFU of the `rembert` preset (bf16, our model and
 torch's fused AdamW). `--gpu-only` skips the CPU comparison; that part needs only torch and
-triton (no DeepSpeed, transformers or PyYAML), so it runs on a bare GPU image.
+triton (no DeepSpeed, transformers or PyYAML), so it runs on a bare GPU image. `--trainer`
+measures the trainer's real step instead (DeepSpeed, bf16 + ds_configs/zero1_bf16.json,
+gradient accumulation, one GPU), with its peak memory against train.py --dry-run's estimate.
 
     python bench/train_throughput.py [--steps 3] [--batch 16] [--seq 128] [--gpu-only]
+    python bench/train_throughput.py --trainer [--gpu-batch 16] [--gas 2] [--steps 3]
 """
 
 from __future__ import annotations
@@ -181,6 +184,54 @@ def preset_throughput(preset: str, batch: int, seq: int, steps: int,
             "mfu": tflops * 1e12 / peak if peak else None, "memory_gib": memory_gib(device)}
 
 
+def trainer_throughput(preset: str, micro: int, gas: int, seq: int, steps: int) -> dict:
+    """The trainer's real step on this one process: DeepSpeed with bf16 and
+    ds_configs/zero1_bf16.json, `gas` micro-batches of `micro` x `seq` per step, on the GPU with
+    NCCL (else the CPU with gloo). tokens/s, model TFLOP/s, MFU, peak memory, and the memory
+    `train.py --dry-run` estimates for this layout."""
+    from megatron_rembert.parallel import state
+    from megatron_rembert.training.config import load_config
+    from megatron_rembert.training.engine import Trainer
+    from megatron_rembert.training.estimate import memory_estimate
+    from megatron_rembert.training.loop import setup_distributed
+    from megatron_rembert.training.metrics import memory_gib, peak_flops
+
+    root = Path(__file__).resolve().parents[1]
+    os.environ.setdefault("MASTER_PORT", "29592")
+    config = load_config(root / "configs" / "rembert.yaml", [
+        f"model.preset={preset}", "parallel.tp=1", "parallel.pp=1",
+        f"parallel.ds_config={root / 'ds_configs' / 'zero1_bf16.json'}",
+        f"train.micro_batch_size={micro}", f"train.global_batch_size={micro * gas}",
+        f"data.seq_length={seq}", "optim.warmup_steps=1"])
+    _, _, device = setup_distributed(config.parallel.timeout_minutes)
+    state.initialize_model_parallel(1, 1)
+    trainer = Trainer(config, 1, device)
+    batches = [[make_batch(config.model, micro, seq, step * gas + i, "cpu") for i in range(gas)]
+               for step in range(steps + 1)]  # on the host, as the loader delivers them
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    tokens_per_s = micro * gas * seq / timed(trainer.train_step, batches, sync)
+    tflops = flops_per_token(config.model, seq)["training"] * tokens_per_s / 1e12
+    peak = peak_flops(device)
+    estimate = memory_estimate(config, dp=1)
+    return {"tokens_per_s": tokens_per_s, "tflops": tflops,
+            "mfu": tflops * 1e12 / peak if peak else None, "memory_gib": memory_gib(device),
+            "estimate_gib": {k: estimate[k] / 2**30 for k in
+                             ("parameters", "gradients", "optimizer_states", "activations")}}
+
+
+def gpu_trainer(args) -> None:
+    r = trainer_throughput("rembert", args.gpu_batch, args.gas, 512, args.steps)
+    mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
+    estimate = sum(r["estimate_gib"].values())
+    where = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    print(f"{where}: trainer step (DeepSpeed, bf16, zero1_bf16.json), rembert, "
+          f"{args.gas} x {args.gpu_batch} x 512 tokens: {r['tokens_per_s']:,.0f} tokens/s, "
+          f"{r['tflops']:.1f} TFLOP/s, MFU {mfu}")
+    print(f"peak memory {r['memory_gib']:.1f} GiB; --dry-run estimate {estimate:.1f} GiB ("
+          + ", ".join(f"{k} {v:.1f}" for k, v in r["estimate_gib"].items())
+          + f"); measured / estimate {r['memory_gib'] / estimate:.2f}")
+
+
 def gpu_rembert(args) -> None:
     """tokens/s, TFLOP/s and MFU of the rembert preset on one GPU (bf16, fused AdamW)."""
     r = preset_throughput("rembert", args.gpu_batch, 512, args.steps, torch.device("cuda"))
@@ -197,9 +248,18 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--gpu-batch", type=int, default=16)
+    parser.add_argument("--gas", type=int, default=2,
+                        help="micro-batches per step for --trainer")
     parser.add_argument("--gpu-only", action="store_true",
                         help="only the rembert preset on the GPU (torch and triton suffice)")
+    parser.add_argument("--trainer", action="store_true",
+                        help="only the trainer's step (DeepSpeed) for rembert on one GPU")
     args = parser.parse_args()
+    if args.trainer:
+        if not torch.cuda.is_available():
+            sys.exit("--trainer: no CUDA device")
+        gpu_trainer(args)
+        return
     if torch.cuda.is_available():
         gpu_rembert(args)
     elif args.gpu_only:

@@ -32,6 +32,8 @@ class ParallelConfig:
     activation_checkpointing: bool = False  # recompute each Transformer layer in backward
     # A collective waiting longer than this fails, naming each rank's step and instruction
     timeout_minutes: float = 10.0
+    # auto: nccl on GPUs, gloo on CPUs; gloo on GPUs lets several ranks share one GPU (checks)
+    backend: str = "auto"
 
 
 @dataclass
@@ -201,6 +203,8 @@ def validate_config(config: Config, world_size: int) -> int:
     if par.pp > 1 and config.model.tie_embeddings:
         raise ConfigError("model.tie_embeddings=true needs parallel.pp=1: the tied table would "
                           "span the first and last pipeline stages")
+    if par.backend not in ("auto", "nccl", "gloo"):
+        raise ConfigError(f"parallel.backend={par.backend!r}: expected auto, nccl or gloo")
     if not par.timeout_minutes > 0:
         raise ConfigError(f"parallel.timeout_minutes={par.timeout_minutes}: must be > 0")
     if par.zero_stage not in (0, 1, 2):

@@ -33,8 +33,10 @@ def memory_estimate(config: Config, dp: int) -> dict:
 
     Parameters and gradients in the training precision (fp32 master weights kept by the
     optimizer for bf16/fp16), Adam moments fp32; ZeRO-1 shards optimizer states, ZeRO-2 also
-    gradients, over DP. Activations per Transformer layer and micro-batch follow Korthikanti et
-    al. 2022 ("Reducing activation recomputation"), without sequence parallelism:
+    gradients, over DP. bf16/fp16 gradients also accumulate in an fp32 buffer (DeepSpeed's
+    BF16_Optimizer or its ZeRO gradient-accumulation attribute): whole up to ZeRO-1.
+    Activations per Transformer layer and micro-batch follow Korthikanti et al. 2022
+    ("Reducing activation recomputation"), without sequence parallelism:
     s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes in 16-bit; doubled for fp32; with full activation
     checkpointing only the layer input (2*s*b*h) is kept per layer. With 1F1B the first stage
     holds up to pp micro-batches in flight.
@@ -46,7 +48,7 @@ def memory_estimate(config: Config, dp: int) -> dict:
     half = train.precision in ("bf16", "fp16")
     weight_bytes = 2 if half else 4
     zero = par.zero_stage
-    grads = params * weight_bytes / (dp if zero >= 2 else 1)
+    grads = params * (weight_bytes + (4 if half else 0)) / (dp if zero >= 2 else 1)
     optimizer = params * ((4 if half else 0) + 8) / (dp if zero >= 1 else 1)
     s, b, h, a = config.data.seq_length, train.micro_batch_size, m.hidden_size, \
         m.num_attention_heads

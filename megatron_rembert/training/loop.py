@@ -45,24 +45,31 @@ class StopFlag:
         return flag > 0
 
 
-def setup_distributed(timeout_minutes: float = 10.0) -> tuple[int, int, torch.device]:
+def setup_distributed(timeout_minutes: float = 10.0, backend: str = "auto"
+                      ) -> tuple[int, int, torch.device]:
     """Initialise torch.distributed from torchrun's environment (or a single process), with
     `timeout_minutes` for every process group, ours and DeepSpeed's; collectives run on the
-    training device (parallel.comm)."""
+    training device (parallel.comm). Ranks beyond the node's GPU count share GPUs, which only
+    gloo allows (`backend`: auto = nccl on GPUs, gloo on CPUs)."""
     import deepspeed
 
+    if backend not in ("auto", "nccl", "gloo"):
+        raise ConfigError(f"parallel.backend={backend!r}: expected auto, nccl or gloo")
     cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    device = (torch.device("cuda", local_rank % torch.cuda.device_count()) if cuda
+              else torch.device("cpu"))
     if cuda:
         torch.cuda.set_device(device)
+    if backend == "auto":
+        backend = "nccl" if cuda else "gloo"
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")
     timeout = comm.set_default_timeout(timeout_minutes)
-    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", timeout=timeout)
+    deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
     comm.set_device(device)
     return dist.get_rank(), dist.get_world_size(), device
 
@@ -135,7 +142,8 @@ def train(config: Config) -> dict:
     A collective that times out or breaks (a rank hung or died) ends the run with an error
     naming this rank's position (step, phase, micro-batch or pipeline instruction).
     """
-    rank, world, device = setup_distributed(config.parallel.timeout_minutes)
+    rank, world, device = setup_distributed(config.parallel.timeout_minutes,
+                                            config.parallel.backend)
     watchdog = Watchdog(rank, 0.9 * 60 * config.parallel.timeout_minutes).start()
     try:
         return _train(config, rank, world, device)

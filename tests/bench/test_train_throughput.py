@@ -42,3 +42,21 @@ def test_gpu_branch_runs_without_the_training_stack():
     assert result["tokens_per_s"] > 0 and result["tflops"] > 0
     assert result["mfu"] is None  # no peak FLOP/s for a CPU
     assert result["memory_gib"] > 0
+
+
+def test_trainer_branch_runs_on_cpu():
+    """--trainer's measurement (the DeepSpeed step, bf16 + zero1_bf16.json, accumulation) on
+    the tiny preset, on CPU with gloo."""
+    import json
+
+    code = ("import importlib.util, json\n"
+            "spec = importlib.util.spec_from_file_location('tt', 'bench/train_throughput.py')\n"
+            "tt = importlib.util.module_from_spec(spec); spec.loader.exec_module(tt)\n"
+            "print(json.dumps(tt.trainer_throughput('tiny', micro=2, gas=2, seq=32, steps=2)))")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["tokens_per_s"] > 0 and result["mfu"] is None
+    assert set(result["estimate_gib"]) == {"parameters", "gradients", "optimizer_states",
+                                           "activations"}
