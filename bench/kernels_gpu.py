@@ -1,12 +1,22 @@
 """Correctness and speed of the Triton kernels on a CUDA GPU (needs only torch + triton).
 
-    python bench/kernels_gpu.py [--dtype bf16] [--rows 8192] [--vocab 250300]
+    python bench/kernels_gpu.py [--dtype fp32,bf16] [--time-dtype bf16] [--no-timing]
+                                [--rows 8192] [--vocab 250300] [--e 1664]
 
-For each op: the max error of the Triton path against the torch reference on the GPU, then
-forward + backward time (triton.testing.do_bench, median ms) of
+Checks, for every dtype of --dtype (default fp32 and bf16), each printed PASS or FAIL:
+  softmax  the Triton path against the torch reference (fully masked rows included) and
+           against eager torch.softmax: probabilities and the input gradient, 4 shapes;
+  loss     the Triton path against the torch reference path (the same matmuls, so this
+           isolates the kernels) and against F.cross_entropy on the full fp32 logits: losses,
+           grad hidden / weight / bias, and the `correct` flags (exact); on the --rows x
+           --vocab problem and on a small one with padding columns, weight-0 rows and rows
+           longer than one 4096-column tile.
+The error of a tensor is max|ours - ref| / max|ref|, against TOLERANCE[dtype]. The exit
+status is 1 if any check fails, so an acceptance script can rely on it.
+Then, for --time-dtype only, forward + backward time (triton.testing.do_bench, median ms) of
   softmax: ours (Triton) | torch eager | torch.compile | SDPA (whole attention, for scale)
   loss:    ours (Triton, chunked) | torch eager full logits | torch.compile full logits
-Exits with a message when no CUDA device is present.
+Exits with a message (status 1) when no CUDA device is present.
 """
 
 from __future__ import annotations
@@ -21,11 +31,141 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
 from megatron_rembert.kernels.cross_entropy import linear_cross_entropy  # noqa: E402
-from megatron_rembert.kernels.softmax import fused_scale_mask_softmax  # noqa: E402
+from megatron_rembert.kernels.softmax import (  # noqa: E402
+    fused_scale_mask_softmax,
+    softmax_backward_torch,
+    softmax_forward_torch,
+)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+# Worst max|ours - ref| / max|ref| of a tensor. Both sides do their math in fp32 on the same
+# inputs: in fp32 they differ only in summation order and exp rounding (~1e-6); in bf16 / fp16
+# also in where a result is rounded to the dtype, a few ulps at most (ulp 2^-8 / 2^-11 relative).
+# A real bug (wrong column, missing rescale, lost row) gives errors of order 1.
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+SOFTMAX_SHAPES = [(8, 16, 128), (4, 16, 512), (2, 16, 1000), (2, 4, 4096)]  # B x H x S (= Sk)
+# Where the checks run and which path is "ours": tests/kernels/test_kernels_gpu_bench.py runs
+# them on CPU with the Triton interpreter (DEVICE "cpu", BACKEND "triton").
+DEVICE, BACKEND = "cuda", "auto"
 
 
+class Checks:
+    """Prints one PASS / FAIL line per check and remembers the failures."""
+
+    def __init__(self) -> None:
+        self.total, self.failed = 0, []
+
+    def close(self, name: str, ours: dict, ref: dict, dtype: torch.dtype) -> None:
+        errors = {k: relative_error(ours[k], ref[k]) for k in ref}
+        ok = all(e <= TOLERANCE[dtype] for e in errors.values())
+        detail = " ".join(f"{k} {e:.1e}" for k, e in errors.items())
+        self.record(name, ok, f"{detail} (tol {TOLERANCE[dtype]:.0e})")
+
+    def record(self, name: str, ok: bool, detail: str) -> None:
+        self.total += 1
+        if not ok:
+            self.failed.append(name)
+        print(f"{'PASS' if ok else 'FAIL'}  {name}: {detail}", flush=True)
+
+
+def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    """max|ours - ref| / max|ref|; inf when ours is not finite where ref is."""
+    ours, ref = ours.float(), ref.float()
+    if not torch.isfinite(ours[torch.isfinite(ref)]).all():
+        return float("inf")
+    return ((ours - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+def outputs_and_grads(fn, inputs: dict[str, torch.Tensor], seed: int = 0) -> dict:  # noqa: ANN001
+    """{"out": fn(**inputs), "d<name>": gradient of sum(out * random)} (out = first output)."""
+    for t in inputs.values():
+        t.grad = None
+    out = fn(**inputs)
+    out = out[0] if isinstance(out, tuple) else out
+    g = torch.randn(out.shape, generator=torch.Generator(out.device).manual_seed(seed),
+                    device=out.device)
+    (out.float() * g).sum().backward()
+    return {"out": out.detach()} | {f"d{k}": t.grad for k, t in inputs.items()}
+
+
+# ---------------------------------------------------------------- correctness
+def check_softmax(dtype: torch.dtype, checks: Checks, shapes: list = SOFTMAX_SHAPES) -> None:
+    for B, H, S in shapes:
+        gen = torch.Generator(DEVICE).manual_seed(S)
+        x = (torch.randn(B, H, S, S, device=DEVICE, generator=gen) * 3).to(dtype)
+        x.requires_grad_()
+        mask = torch.rand(B, S, device=DEVICE, generator=gen) > 0.1  # B x S
+        mask[-1] = False  # the last batch entry has no key: zeros, not NaN
+        scale = 64**-0.5
+
+        def ours(x, mask=mask, scale=scale):  # noqa: ANN001, ANN202
+            return fused_scale_mask_softmax(x, mask, scale, backend=BACKEND)  # CUDA: Triton
+
+        def reference(x, mask=mask, scale=scale):  # noqa: ANN001, ANN202
+            return _SoftmaxReference.apply(x, mask, scale)
+
+        def eager(x, mask=mask, scale=scale):  # noqa: ANN001, ANN202
+            s = (x.float() * scale).masked_fill(~mask[:, None, None, :], float("-inf"))
+            return torch.softmax(s, dim=-1).to(x.dtype)  # NaN on the fully masked entry
+
+        got = outputs_and_grads(ours, {"x": x})
+        name = f"softmax {DTYPE_NAMES[dtype]} {B}x{H}x{S}"
+        checks.close(f"{name} vs torch reference", got,
+                     outputs_and_grads(reference, {"x": x}), dtype)
+        want = outputs_and_grads(eager, {"x": x})
+        checks.close(f"{name} vs eager torch.softmax", {k: v[:-1] for k, v in got.items()},
+                     {k: v[:-1] for k, v in want.items()}, dtype)
+
+
+class _SoftmaxReference(torch.autograd.Function):
+    """The module's torch reference forward and backward, on the GPU."""
+
+    @staticmethod
+    def forward(ctx, x, mask, scale):  # noqa: ANN001, ANN205
+        p = softmax_forward_torch(x, mask, scale)
+        ctx.save_for_backward(p)
+        ctx.scale = scale
+        return p
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        return softmax_backward_torch(ctx.saved_tensors[0], grad, ctx.scale), None, None
+
+
+def check_loss(dtype: torch.dtype, n: int, v: int, n_valid: int, e: int, zero_frac: float,
+               checks: Checks) -> None:
+    gen = torch.Generator(DEVICE).manual_seed(n + v)
+    inputs = {
+        "h": (torch.randn(n, e, device=DEVICE, generator=gen) * 0.5).to(dtype),  # N x E
+        "w": (torch.randn(v, e, device=DEVICE, generator=gen) * e**-0.5).to(dtype),  # V x E
+        "b": (torch.randn(v, device=DEVICE, generator=gen) * 0.1).to(dtype),  # V
+    }
+    inputs = {k: t.requires_grad_() for k, t in inputs.items()}
+    tgt = torch.randint(0, n_valid, (n,), device=DEVICE, generator=gen)  # N
+    wts = (torch.rand(n, device=DEVICE, generator=gen) >= zero_frac).float()  # N, 0 or 1
+
+    def op(h, w, b, backend=BACKEND):  # noqa: ANN001, ANN202
+        return linear_cross_entropy(h, w, b, tgt, wts, vocab_start=0, n_valid=n_valid,
+                                    backend=backend)
+
+    def eager(h, w, b):  # noqa: ANN001, ANN202
+        logits = torch.addmm(b, h, w.t())[:, :n_valid].float()  # N x n_valid
+        return F.cross_entropy(logits, tgt, reduction="none") * (wts != 0)
+
+    name = f"loss {DTYPE_NAMES[dtype]} N={n} V={v} n_valid={n_valid} E={e}"
+    got = outputs_and_grads(op, inputs)
+    checks.close(f"{name} vs torch reference", got,
+                 outputs_and_grads(lambda **i: op(**i, backend="torch"), inputs), dtype)
+    checks.close(f"{name} vs F.cross_entropy", got, outputs_and_grads(eager, inputs), dtype)
+    with torch.no_grad():
+        same = torch.equal(op(**inputs)[1], op(**inputs, backend="torch")[1])
+    checks.record(f"{name} correct flags equal the torch reference", same, "exact")
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()  # the fp32 full-logits oracle at N x V is the largest
+
+
+# ---------------------------------------------------------------- speed
 def fwd_bwd_ms(fn, inputs: list[torch.Tensor]) -> float:  # noqa: ANN001
     """Median ms of forward + backward of `fn(*inputs)` (a scalar-reducible output)."""
     import triton.testing
@@ -44,26 +184,10 @@ def fwd_bwd_ms(fn, inputs: list[torch.Tensor]) -> float:  # noqa: ANN001
         return float("nan")
 
 
-def grads(fn, inputs: list[torch.Tensor], grad_seed: int = 0) -> list[torch.Tensor]:  # noqa: ANN001
-    for t in inputs:
-        t.grad = None
-    out = fn(*inputs)
-    out = out[0] if isinstance(out, tuple) else out
-    g = torch.randn(out.shape, generator=torch.Generator(out.device).manual_seed(grad_seed),
-                    device=out.device)
-    (out.float() * g).sum().backward()
-    return [out.detach().float()] + [t.grad.float() for t in inputs]
-
-
-def max_err(a: list[torch.Tensor], b: list[torch.Tensor]) -> str:
-    return " ".join(f"{(x - y).abs().max().item():.1e}" for x, y in zip(a, b, strict=True))
-
-
-def bench_softmax(dtype: torch.dtype, rows: dict) -> None:
+def time_softmax(dtype: torch.dtype) -> None:
     print(f"\n== fused_scale_mask_softmax ({dtype}), fwd+bwd ms ==")
-    print(f"{'B x H x S':<16} {'err p dx':>18} {'ours':>8} {'eager':>8} {'compile':>8} "
-          f"{'SDPA':>8}")
-    for B, H, S in rows:
+    print(f"{'B x H x S':<16} {'ours':>8} {'eager':>8} {'compile':>8} {'SDPA':>8}")
+    for B, H, S in SOFTMAX_SHAPES:
         x = torch.randn(B, H, S, S, device="cuda", dtype=dtype, requires_grad=True)
         mask = torch.rand(B, S, device="cuda") > 0.1  # B x S
         scale = 64**-0.5
@@ -73,18 +197,16 @@ def bench_softmax(dtype: torch.dtype, rows: dict) -> None:
             return torch.softmax(s, dim=-1).to(x.dtype)
 
         ours = lambda x, m=mask, s=scale: fused_scale_mask_softmax(x, m, s)  # noqa: E731
-        err = max_err(grads(ours, [x]), grads(eager, [x]))
-        compiled = torch.compile(eager)
         q, k, v = (torch.randn(B, H, S, 64, device="cuda", dtype=dtype, requires_grad=True)
                    for _ in range(3))
         sdpa = lambda q, k, v, m=mask: F.scaled_dot_product_attention(  # noqa: E731
             q, k, v, attn_mask=m[:, None, None, :])
-        t = [fwd_bwd_ms(f, i) for f, i in ((ours, [x]), (eager, [x]), (compiled, [x]),
-                                           (sdpa, [q, k, v]))]
-        print(f"{f'{B}x{H}x{S}':<16} {err:>18} " + " ".join(f"{v:>8.3f}" for v in t))
+        t = [fwd_bwd_ms(f, i) for f, i in ((ours, [x]), (eager, [x]),
+                                           (torch.compile(eager), [x]), (sdpa, [q, k, v]))]
+        print(f"{f'{B}x{H}x{S}':<16} " + " ".join(f"{v:>8.3f}" for v in t))
 
 
-def bench_loss(dtype: torch.dtype, n: int, vocab: int, e: int) -> None:
+def time_loss(dtype: torch.dtype, n: int, vocab: int, e: int) -> None:
     print(f"\n== linear_cross_entropy ({dtype}) N={n} V={vocab} E={e}, fwd+bwd ms ==")
     h = (torch.randn(n, e, device="cuda") * 0.5).to(dtype).requires_grad_()  # N x E
     w = (torch.randn(vocab, e, device="cuda") * e**-0.5).to(dtype).requires_grad_()  # V x E
@@ -95,17 +217,9 @@ def bench_loss(dtype: torch.dtype, n: int, vocab: int, e: int) -> None:
     def ours(h, w, b):  # noqa: ANN001, ANN202
         return linear_cross_entropy(h, w, b, tgt, wts, vocab_start=0, n_valid=vocab)[0]
 
-    def torch_ref(h, w, b):  # noqa: ANN001, ANN202
-        return linear_cross_entropy(h, w, b, tgt, wts, vocab_start=0, n_valid=vocab,
-                                    backend="torch")[0]
-
     def eager(h, w, b):  # noqa: ANN001, ANN202
         return F.cross_entropy(torch.addmm(b, h, w.t()).float(), tgt, reduction="none")
 
-    print("max err vs torch reference (loss dh dw db):",
-          max_err(grads(ours, [h, w, b]), grads(torch_ref, [h, w, b])))
-    print("max err vs eager full logits (loss dh dw db):",
-          max_err(grads(ours, [h, w, b]), grads(eager, [h, w, b])))
     for name, fn in (("ours", ours), ("eager", eager), ("compile", torch.compile(eager))):
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -114,9 +228,23 @@ def bench_loss(dtype: torch.dtype, n: int, vocab: int, e: int) -> None:
         print(f"  {name:<8} {ms:>9.2f} ms   extra peak {peak:6.2f} GiB")
 
 
+# ---------------------------------------------------------------- main
+def parse_dtypes(text: str) -> list[torch.dtype]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [s for s in names if s not in DTYPES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list of {sorted(DTYPES)}, got {text!r}")
+    return [DTYPES[s] for s in names]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--dtype", type=parse_dtypes, default="fp32,bf16",
+                   help="dtypes to check, comma-separated (default fp32,bf16)")
+    p.add_argument("--time-dtype", choices=sorted(DTYPES), default="bf16",
+                   help="dtype of the timing runs (default bf16, the training dtype)")
+    p.add_argument("--no-timing", action="store_true", help="correctness checks only")
     p.add_argument("--rows", type=int, default=8192, help="masked tokens N for the loss")
     p.add_argument("--vocab", type=int, default=250_300)
     p.add_argument("--e", type=int, default=1664)
@@ -125,9 +253,17 @@ def main() -> None:
         sys.exit("bench/kernels_gpu.py needs a CUDA GPU (none found); "
                  "on CPU run the tests (pytest tests/kernels) and bench/loss_memory.py")
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
-    dtype = DTYPES[args.dtype]
-    bench_softmax(dtype, [(8, 16, 128), (8, 16, 512), (2, 16, 1000), (1, 16, 4096)])
-    bench_loss(dtype, args.rows, args.vocab, args.e)
+    checks = Checks()
+    for dtype in args.dtype:
+        check_softmax(dtype, checks)
+        check_loss(dtype, args.rows, args.vocab, args.vocab, args.e, 0.0, checks)
+        check_loss(dtype, 777, 4133, 4100, 256, 0.25, checks)  # padding, weight-0 rows
+    if not args.no_timing:
+        time_softmax(DTYPES[args.time_dtype])
+        time_loss(DTYPES[args.time_dtype], args.rows, args.vocab, args.e)
+    print(f"\n{checks.total - len(checks.failed)} of {checks.total} checks passed")
+    if checks.failed:
+        sys.exit("FAILED: " + "; ".join(checks.failed))
 
 
 if __name__ == "__main__":

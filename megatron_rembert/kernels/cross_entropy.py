@@ -10,11 +10,15 @@ Forward, per chunk of `chunk_size` rows (only rows with weight != 0 are processe
 Then, once per call, the cross-shard combination through the injected callables:
      M = reduce_max(m);  [S, T] = reduce_sum([s * exp(m - M), t]);  lse = log S + M
 That is 2 collectives per call, whatever N, on 1 x N_act and 2 x N_act fp32 tensors.
-Backward recomputes each chunk's logits, overwrites them in place with
-grad_out * (softmax - onehot) (a second kernel), and accumulates grad_hidden, grad_weight,
-grad_bias chunk by chunk. Saved for backward: the active rows of hidden, weight, bias,
-targets and the per-row global logsumexp, nothing logits-sized. No collective in backward:
-grad_hidden is this shard's contribution; the caller all-reduces it over tensor parallel.
+Backward works in tiles of (row chunk) x (vocabulary block): the saved per-row global
+logsumexp makes each block's gradient independent of the others. Per vocabulary block, per
+row chunk: recompute the tile's logits, overwrite them in place with
+grad_out * (softmax - onehot) (a second kernel), and add the tile's products into fp32
+accumulators: the block's grad_weight (block x E), grad_hidden (N_act x E) and grad_bias.
+So no gradient is ever summed in bf16, and no V_local x E fp32 buffer exists. Saved for
+backward: the active rows of hidden, weight, bias, targets and the per-row global
+logsumexp, nothing logits-sized. No collective in backward: grad_hidden is this shard's
+contribution; the caller all-reduces it over tensor parallel.
 
 Columns >= n_valid of the shard are vocabulary padding: -inf logits, zero probability.
 See docs/kernels.md for the memory math.
@@ -23,8 +27,11 @@ See docs/kernels.md for the memory math.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
+
+from megatron_rembert.kernels.aot import FLOAT_TYPES, KernelConfig, kernel_config
 
 try:  # triton is optional: the torch path must work where it is missing (e.g. macOS)
     import triton
@@ -41,11 +48,18 @@ CHUNK_ELEMENTS = 2**25
 ROW_MULTIPLE = 16  # chunk rows rounded to a multiple of 16 for tensor-core friendly matmuls
 # Column tile of the Triton kernels: each program loops over its row in tiles of this width.
 BLOCK_V_MAX = 4096
+NUM_WARPS = 8  # per row program: a 4096-column tile is 16 values per thread
+# Narrowest tile: one column per thread. A narrower one would only leave threads idle, and
+# every distinct tile width is one more kernel to compile (and to check in CI).
+BLOCK_V_MIN = 32 * NUM_WARPS
 # Stand-in for -inf as the running max of a row with no valid column yet: keeps
 # exp(m_old - m_new) finite (exp(-inf - -inf) would be NaN) and still exp(x - NEG_BIG) = 0.
 NEG_BIG = -1e30
 
 if triton is not None:
+    # The kernels' copy: compiled kernels may read only tl.constexpr globals (the interpreter
+    # also accepts a plain float; the compiler refuses it, see docs/kernels.md).
+    _NEG_BIG_K = tl.constexpr(NEG_BIG)
 
     @triton.jit
     def _ce_stats_kernel(
@@ -55,7 +69,7 @@ if triton is not None:
         """Per row: online max / sum-exp over the valid columns, and the target logit."""
         row = tl.program_id(0).to(tl.int64)
         target = tl.load(targets_ptr + row) - vocab_start  # local column of the target
-        row_max = tl.full((), NEG_BIG, tl.float32)
+        row_max = tl.full((), _NEG_BIG_K, tl.float32)
         sumexp = tl.zeros((), tl.float32)
         target_logit = tl.zeros((), tl.float32)
         for start in range(0, n_valid, BLOCK_V):
@@ -128,7 +142,30 @@ def chunk_grad_torch_(
 
 # ---------------------------------------------------------------- per-chunk ops: Triton
 def _block_v(n: int) -> int:
-    return max(16, min(BLOCK_V_MAX, triton.next_power_of_2(max(n, 1))))
+    """Column tile of both launchers for a row of n columns."""
+    return max(BLOCK_V_MIN, min(BLOCK_V_MAX, triton.next_power_of_2(max(n, 1))))
+
+
+def aot_configs() -> list[KernelConfig]:
+    """Every kernel configuration the launchers below can choose, for the AOT compile test."""
+    configs = []
+    for block in sorted({_block_v(n) for n in range(BLOCK_V_MAX + 1)}):  # constant above
+        for dt in FLOAT_TYPES.values():
+            configs.append(kernel_config(
+                _ce_stats_kernel, NUM_WARPS,
+                {"logits_ptr": f"*{dt}", "stride": "i32", "targets_ptr": "*i64",
+                 "max_ptr": "*fp32", "sumexp_ptr": "*fp32", "target_logit_ptr": "*fp32",
+                 "vocab_start": "i32", "n_valid": "i32"},
+                BLOCK_V=block,
+            ))
+            configs.append(kernel_config(
+                _ce_grad_kernel, NUM_WARPS,
+                {"logits_ptr": f"*{dt}", "stride": "i32", "targets_ptr": "*i64",
+                 "lse_ptr": "*fp32", "grad_out_ptr": "*fp32", "vocab_start": "i32",
+                 "n_valid": "i32", "n_cols": "i32"},
+                BLOCK_V=block,
+            ))
+    return configs
 
 
 def chunk_stats_triton(logits, targets, vocab_start, n_valid):  # noqa: ANN001, ANN201
@@ -137,7 +174,7 @@ def chunk_stats_triton(logits, targets, vocab_start, n_valid):  # noqa: ANN001, 
     if C:
         _ce_stats_kernel[(C,)](
             logits, logits.stride(0), targets, out[0], out[1], out[2], vocab_start, n_valid,
-            BLOCK_V=_block_v(n_valid), num_warps=8,
+            BLOCK_V=_block_v(n_valid), num_warps=NUM_WARPS,
         )
     return out[0], out[1], out[2]
 
@@ -147,8 +184,42 @@ def chunk_grad_triton_(logits, targets, lse, grad_out, vocab_start, n_valid):  #
     if C:
         _ce_grad_kernel[(C,)](
             logits, logits.stride(0), targets, lse, grad_out, vocab_start, n_valid, V,
-            BLOCK_V=_block_v(V), num_warps=8,
+            BLOCK_V=_block_v(V), num_warps=NUM_WARPS,
         )
+
+
+# ---------------------------------------------------------------- tiling
+class Tiling(NamedTuple):
+    forward_rows: int  # rows per forward chunk (tile: rows x V_local)
+    backward_rows: int  # rows per backward chunk (tile: rows x vocab_block)
+    vocab_block: int  # vocabulary rows per backward block (fp32 grad_weight: block x E)
+
+
+def _rows_within(budget: int, width: int) -> int:
+    """Rows of `width` elements that fit in `budget`, rounded down to ROW_MULTIPLE, >= 1."""
+    rows = budget // max(width, 1)
+    return max(1, rows // ROW_MULTIPLE * ROW_MULTIPLE if rows >= ROW_MULTIPLE else rows)
+
+
+def default_chunk_size(v_local: int, budget: int | None = None) -> int:
+    """Rows per chunk so that one logits chunk holds at most `budget` (CHUNK_ELEMENTS)
+    elements."""
+    return _rows_within(budget or CHUNK_ELEMENTS, v_local)
+
+
+def default_vocab_block(v_local: int, e: int, budget: int | None = None) -> int:
+    """Vocabulary rows per backward block so that its fp32 grad_weight accumulator
+    (block x E) holds at most `budget` (CHUNK_ELEMENTS) elements."""
+    return max(1, min(v_local, _rows_within(budget or CHUNK_ELEMENTS, e)))
+
+
+def choose_tiling(v_local: int, e: int, chunk_size: int | None) -> Tiling:
+    """An explicit chunk_size is the rows per chunk of both passes. By default each pass
+    takes as many rows as fit the budget at its tile width: backward tiles are narrower
+    (vocab_block < V_local for large vocabularies), so they take more rows."""
+    block = default_vocab_block(v_local, e)
+    return Tiling(chunk_size or default_chunk_size(v_local),
+                  chunk_size or default_chunk_size(block), block)
 
 
 # ---------------------------------------------------------------- autograd Function
@@ -157,21 +228,67 @@ def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     return torch.addmm(bias, h, weight.t()) if bias is not None else h @ weight.t()
 
 
-def default_chunk_size(v_local: int, budget: int = CHUNK_ELEMENTS) -> int:
-    """Rows per chunk so that one logits chunk holds at most `budget` elements."""
-    rows = budget // max(v_local, 1)
-    return max(1, rows // ROW_MULTIPLE * ROW_MULTIPLE if rows >= ROW_MULTIPLE else rows)
+class _Saved(NamedTuple):
+    """What backward reads, for the active rows only."""
+    h: torch.Tensor  # N_act x E
+    weight: torch.Tensor  # V_local x E
+    bias: torch.Tensor | None  # V_local
+    tgt: torch.Tensor  # N_act, global ids
+    lse: torch.Tensor  # N_act fp32, global logsumexp
+    g: torch.Tensor  # N_act fp32, upstream gradient of each loss
+    vocab_start: int
+    n_valid: int
+    grad_rows: Callable  # chunk_grad_triton_ or chunk_grad_torch_
+
+
+def _grad_logits(s: _Saved, rows: slice, cols: slice) -> torch.Tensor:
+    """d(sum g * loss) / d logits of one tile: C x Vb in the input dtype."""
+    bias = s.bias[cols] if s.bias is not None else None  # Vb
+    dlogits = _logits(s.h[rows], s.weight[cols], bias)  # C x Vb, overwritten below
+    n_valid = min(max(s.n_valid - cols.start, 0), cols.stop - cols.start)  # block's real cols
+    s.grad_rows(dlogits, s.tgt[rows], s.lse[rows], s.g[rows], s.vocab_start + cols.start,
+                n_valid)
+    return dlogits
+
+
+def _backward_tiles(s: _Saved, tiling: Tiling, need: tuple[bool, bool, bool]
+                    ) -> tuple[torch.Tensor | None, ...]:
+    """grad_h (N_act x E fp32), grad_w (V_local x E, weight dtype), grad_b (V_local fp32).
+
+    Each tile's matmul accumulates in fp32 and rounds its product once to the input dtype;
+    the products are then summed in fp32, so the error does not grow with the tile count.
+    """
+    (n_act, e), v_local = s.h.shape, s.weight.shape[0]
+    f32 = dict(dtype=torch.float32, device=s.h.device)
+    grad_h = torch.zeros(n_act, e, **f32) if need[0] else None  # N_act x E, over blocks
+    grad_w = torch.empty_like(s.weight) if need[1] else None  # V_local x E
+    grad_b = torch.zeros(v_local, **f32) if need[2] else None  # V_local
+    for v0 in range(0, v_local, tiling.vocab_block):
+        cols = slice(v0, min(v0 + tiling.vocab_block, v_local))
+        block_w = torch.zeros(cols.stop - v0, e, **f32) if need[1] else None  # Vb x E
+        for lo in range(0, n_act, tiling.backward_rows):
+            rows = slice(lo, min(lo + tiling.backward_rows, n_act))
+            dlogits = _grad_logits(s, rows, cols)  # C x Vb
+            if grad_h is not None:
+                grad_h[rows] += dlogits @ s.weight[cols]  # C x E
+            if block_w is not None:
+                block_w += dlogits.t() @ s.h[rows]  # Vb x E
+            if grad_b is not None:
+                grad_b[cols] += dlogits.sum(dim=0, dtype=torch.float32)  # Vb
+        if grad_w is not None:
+            grad_w[cols] = block_w  # rounded once to the weight's dtype
+    return grad_h, grad_w, grad_b
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, weights, vocab_start, n_valid,  # noqa: ANN001
-                reduce_max, reduce_sum, chunk, use_triton):
+                reduce_max, reduce_sum, tiling, use_triton):
         stats = chunk_stats_triton if use_triton else chunk_stats_torch
         active = torch.nonzero(weights != 0).squeeze(1)  # N_act, rows that carry loss
         h = hidden.index_select(0, active)  # N_act x E
         tgt = targets.index_select(0, active)  # N_act
-        n_act = h.shape[0]
+        n_act, chunk = h.shape[0], tiling.forward_rows
         row_max = torch.empty(n_act, dtype=torch.float32, device=h.device)  # N_act
         sums = torch.empty(2, n_act, dtype=torch.float32, device=h.device)  # 2 x N_act
         for lo in range(0, n_act, chunk):
@@ -190,37 +307,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
         correct = torch.zeros(hidden.shape[0], dtype=torch.bool, device=h.device)  # N
         correct[active] = sums[1] >= row_max
         ctx.save_for_backward(h, weight, bias, tgt, lse, active)
-        ctx.meta = (hidden.shape, vocab_start, n_valid, chunk, use_triton)
+        ctx.meta = (hidden.shape, vocab_start, n_valid, tiling, use_triton)
         ctx.mark_non_differentiable(correct)
         return losses, correct
 
     @staticmethod
     def backward(ctx, grad_losses, _grad_correct):  # noqa: ANN001
         h, weight, bias, tgt, lse, active = ctx.saved_tensors
-        hidden_shape, vocab_start, n_valid, chunk, use_triton = ctx.meta
-        grad_rows = chunk_grad_triton_ if use_triton else chunk_grad_torch_
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        hidden_shape, vocab_start, n_valid, tiling, use_triton = ctx.meta
         g = grad_losses.index_select(0, active).float().contiguous()  # N_act
-        grad_h = torch.empty_like(h) if need_h else None  # N_act x E
-        # accumulated in the weight's dtype across chunks (each matmul accumulates in fp32)
-        grad_w = torch.zeros_like(weight) if need_w else None  # V_local x E
-        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=h.device) \
-            if need_b else None  # V_local, fp32
-        for lo in range(0, h.shape[0], chunk):
-            hi = min(lo + chunk, h.shape[0])
-            h_c = h[lo:hi]  # C x E
-            dlogits = _logits(h_c, weight, bias)  # C x V_local, overwritten below
-            grad_rows(dlogits, tgt[lo:hi], lse[lo:hi], g[lo:hi], vocab_start, n_valid)
-            if need_h:
-                torch.mm(dlogits, weight, out=grad_h[lo:hi])
-            if need_w:
-                grad_w.addmm_(dlogits.t(), h_c)
-            if need_b:
-                grad_b += dlogits.sum(dim=0, dtype=torch.float32)
+        saved = _Saved(h, weight, bias, tgt, lse, g, vocab_start, n_valid,
+                       chunk_grad_triton_ if use_triton else chunk_grad_torch_)
+        grad_h, grad_w, grad_b = _backward_tiles(saved, tiling, ctx.needs_input_grad[:3])
         grad_hidden = None
-        if need_h:
-            grad_hidden = h.new_zeros(hidden_shape).index_copy_(0, active, grad_h)  # N x E
-        if need_b:
+        if grad_h is not None:  # N x E, zero on the rows without loss
+            grad_hidden = h.new_zeros(hidden_shape).index_copy_(0, active, grad_h.to(h.dtype))
+        if grad_b is not None:
             grad_b = grad_b.to(bias.dtype)
         return grad_hidden, grad_w, grad_b, *([None] * 8)
 
@@ -254,7 +356,8 @@ def linear_cross_entropy(
         reduce_max / reduce_sum: in-place all-reduce callables over the tensor-parallel group;
             None = single shard. Called exactly once each per forward, on an N_act and a
             2 x N_act fp32 tensor. Every rank must pass the same `weights`.
-        chunk_size: rows per chunk; default `default_chunk_size(V_local)` (2^25 elements).
+        chunk_size: rows per chunk, forward and backward; default: as many as fit
+            CHUNK_ELEMENTS logits per chunk in each pass (see `choose_tiling`).
         backend: "auto" (CUDA -> Triton, CPU -> torch), "triton" or "torch".
 
     Returns:
@@ -284,10 +387,11 @@ def linear_cross_entropy(
         raise ValueError(f"n_valid must be in [0, V_local={weight.shape[0]}], got {n_valid}")
     if targets.shape != (hidden.shape[0],) or weights.shape != (hidden.shape[0],):
         raise ValueError(f"targets and weights must have shape ({hidden.shape[0]},)")
-    chunk = chunk_size or default_chunk_size(weight.shape[0])
-    if chunk < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if chunk_size is not None and chunk_size < 0:
+        raise ValueError(f"chunk_size must be >= 1 rows, or None / 0 for the default, "
+                         f"got {chunk_size}")
+    tiling = choose_tiling(weight.shape[0], weight.shape[1], chunk_size)
     return _LinearCrossEntropy.apply(
         hidden, weight.contiguous(), bias, targets.long(), weights, int(vocab_start),
-        int(n_valid), reduce_max, reduce_sum, int(chunk), use_triton,
+        int(n_valid), reduce_max, reduce_sum, tiling, use_triton,
     )

@@ -3,9 +3,9 @@
     probs = softmax(scores * scale, over keys, masked keys excluded)
 
 One Triton program handles one row (one query of one head) with BLOCK = next power of two of
-Sk, so any key length up to MAX_KEYS works with no divisibility conditions. Math is fp32 for
-every input dtype; probabilities are stored in the input dtype. A fully masked row yields
-zeros (not NaN) in forward and a zero gradient in backward.
+Sk (at least MIN_BLOCK), so any key length up to MAX_KEYS works with no divisibility
+conditions. Math is fp32 for every input dtype; probabilities are stored in the input dtype.
+A fully masked row yields zeros (not NaN) in forward and a zero gradient in backward.
 
 Backward uses only the saved probabilities:  dx = scale * p * (dy - sum_k(dy * p)).
 
@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron_rembert.kernels.aot import FLOAT_TYPES, KernelConfig, kernel_config
+
 try:  # triton is optional: the torch path must work where it is missing (e.g. macOS)
     import triton
     import triton.language as tl
@@ -26,6 +28,9 @@ except ImportError:  # pragma: no cover - exercised only on machines without tri
 # One program holds a whole row in registers; 4096 fp32 values is the largest row that still
 # fits comfortably (8 warps x 32 threads x 16 values). Longer rows need a looped kernel.
 MAX_KEYS = 4096
+# Narrowest row block: one warp's 32 lanes. A narrower block would only leave lanes idle, and
+# every distinct block size is one more kernel to compile (and to check in CI).
+MIN_BLOCK = 32
 
 if triton is not None:
 
@@ -64,8 +69,36 @@ if triton is not None:
         tl.store(dx_ptr + row * Sk + cols, dx.to(dx_ptr.dtype.element_ty), mask=in_row)
 
 
+def _block(sk: int) -> int:
+    """Row block of both launchers: the next power of two >= Sk, at least MIN_BLOCK."""
+    return max(MIN_BLOCK, triton.next_power_of_2(sk))
+
+
 def _num_warps(block: int) -> int:
     return 1 if block <= 128 else 4 if block <= 1024 else 8
+
+
+def aot_configs() -> list[KernelConfig]:
+    """Every kernel configuration the launchers below can choose, for the AOT compile test."""
+    configs = []
+    for block in sorted({_block(sk) for sk in range(1, MAX_KEYS + 1)}):
+        warps = _num_warps(block)
+        for dt in FLOAT_TYPES.values():
+            for has_mask in (False, True):
+                mask_t = "*i8" if has_mask else f"*{dt}"  # without a mask the launcher passes x
+                configs.append(kernel_config(
+                    _softmax_fwd_kernel, warps,
+                    {"x_ptr": f"*{dt}", "mask_ptr": mask_t, "p_ptr": f"*{dt}", "Sk": "i32",
+                     "rows_per_batch": "i32", "scale": "fp32"},
+                    HAS_MASK=has_mask, BLOCK=block,
+                ))
+            configs.append(kernel_config(
+                _softmax_bwd_kernel, warps,
+                {"p_ptr": f"*{dt}", "dy_ptr": f"*{dt}", "dx_ptr": f"*{dt}", "Sk": "i32",
+                 "scale": "fp32"},
+                BLOCK=block,
+            ))
+    return configs
 
 
 # ---------------------------------------------------------------- torch reference
@@ -107,7 +140,7 @@ def softmax_forward_triton(
     p = torch.empty_like(x)  # B x H x Sq x Sk
     if x.numel() == 0:
         return p
-    block = triton.next_power_of_2(Sk)
+    block = _block(Sk)
     mask = key_mask.contiguous().to(torch.int8) if key_mask is not None else x  # B x Sk
     _softmax_fwd_kernel[(B * H * Sq,)](
         x, mask, p, Sk, H * Sq, float(scale),
@@ -123,7 +156,7 @@ def softmax_backward_triton(probs: torch.Tensor, grad: torch.Tensor, scale: floa
     dx = torch.empty_like(p)  # B x H x Sq x Sk
     if p.numel() == 0:
         return dx
-    block = triton.next_power_of_2(Sk)
+    block = _block(Sk)
     _softmax_bwd_kernel[(p.numel() // Sk,)](
         p, dy, dx, Sk, float(scale), BLOCK=block, num_warps=_num_warps(block)
     )

@@ -10,13 +10,15 @@ from megatron_rembert.kernels import cross_entropy as ce
 from tests.kernels.ce_oracle import TOL, full_logits_reference, make_inputs
 
 
-def run_ours(inp: dict, n_valid: int, backend: str, chunk_size: int | None, **kw):  # noqa: ANN003, ANN201
+def run_ours(inp: dict, n_valid: int, backend: str, chunk_size: int | None,  # noqa: ANN201
+             vocab_start: int = 0, **kw):  # noqa: ANN003
+    """The op on `inp` as a shard starting at global id `vocab_start`."""
     h = inp["hidden"].clone().requires_grad_()
     w = inp["weight"].clone().requires_grad_()
     b = inp["bias"].clone().requires_grad_() if inp["bias"] is not None else None
     losses, correct = ce.linear_cross_entropy(
-        h, w, b, inp["targets"], inp["weights"], vocab_start=0, n_valid=n_valid,
-        chunk_size=chunk_size, backend=backend, **kw,
+        h, w, b, inp["targets"] + vocab_start, inp["weights"], vocab_start=vocab_start,
+        n_valid=n_valid, chunk_size=chunk_size, backend=backend, **kw,
     )
     (losses * inp["grad_out"]).sum().backward()
     return losses.detach(), correct, [h.grad, w.grad, None if b is None else b.grad]
@@ -99,6 +101,19 @@ def test_chunks_bound_the_logits(monkeypatch: pytest.MonkeyPatch) -> None:
     assert seen == [5, 5, 5, 5, 3] * 2
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_backward_vocabulary_blocks(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Backward in 64-row vocabulary blocks: block 3 is partly padding, block 4 all padding,
+    the last one short, and the shard starts at global id 1000."""
+    monkeypatch.setattr(ce, "CHUNK_ELEMENTS", 64 * 16)  # fp32 block of 64 x E=16
+    assert ce.choose_tiling(300, 16, 7) == ce.Tiling(7, 7, 64)
+    inp = make_inputs(19, 16, 300, 200, torch.float32, bias=True, seed=4)
+    ref = full_logits_reference(**inp, n_valid=200)
+    ours = run_ours(inp, 200, backend, 7, vocab_start=1000)
+    assert_matches(ours, ref, torch.float32)
+    assert (ours[2][1][200:] == 0).all() and (ours[2][2][200:] == 0).all()
+
+
 def test_two_collectives_per_forward_none_in_backward() -> None:
     calls: list[tuple[str, tuple]] = []
     inp = make_inputs(30, 8, 64, 60, torch.float32, bias=True, zero_frac=0.3)
@@ -116,6 +131,17 @@ def test_default_chunk_size() -> None:
     assert ce.default_chunk_size(250_300) == 128  # 2^25 / 250,300 = 134 -> 128
     assert ce.default_chunk_size(125_150) * 125_150 <= ce.CHUNK_ELEMENTS
     assert ce.default_chunk_size(2**26) == 1
+
+
+def test_default_tiling_keeps_every_buffer_within_the_budget() -> None:
+    # RemBERT at TP = 1: fp32 grad_weight blocks of 20,160 x 1664 (2^25 / 1664 = 20,164),
+    # 13 of them; backward tiles of 1664 rows x 20,160 columns
+    tiling = ce.choose_tiling(250_300, 1664, None)
+    assert tiling == ce.Tiling(128, 1664, 20_160)
+    assert tiling.vocab_block * 1664 <= ce.CHUNK_ELEMENTS
+    assert tiling.backward_rows * tiling.vocab_block <= ce.CHUNK_ELEMENTS
+    assert ce.choose_tiling(300, 16, None) == ce.Tiling(111_840, 111_840, 300)  # one block
+    assert ce.choose_tiling(250_300, 1664, 5) == ce.Tiling(5, 5, 20_160)  # rows as asked
 
 
 def test_bad_arguments_are_explained() -> None:

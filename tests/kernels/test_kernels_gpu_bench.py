@@ -1,0 +1,76 @@
+"""The correctness checks of bench/kernels_gpu.py, run on CPU (Triton interpreter) at small
+sizes: they pass on the kernels and FAIL on a wrong result, so that the GPU run's exit status
+means something. The GPU run itself cannot happen here."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "bench" / "kernels_gpu.py"
+
+
+@pytest.fixture
+def bench(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    spec = importlib.util.spec_from_file_location("kernels_gpu", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "DEVICE", "cpu")
+    monkeypatch.setattr(module, "BACKEND", "triton")  # TRITON_INTERPRET is set by conftest
+    return module
+
+
+def run_checks(bench: ModuleType, dtype: torch.dtype) -> Any:  # noqa: ANN401 - bench.Checks
+    """The bench's softmax and loss checks at CPU-sized shapes."""
+    checks = bench.Checks()
+    bench.check_softmax(dtype, checks, shapes=[(2, 2, 33)])
+    bench.check_loss(dtype, 37, 4133, 4100, 16, 0.25, checks)  # rows of 2 column tiles
+    return checks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_checks_pass_on_the_kernels(bench: ModuleType, dtype: torch.dtype) -> None:
+    checks = run_checks(bench, dtype)
+    assert checks.total == 5 and checks.failed == []
+
+
+def test_checks_fail_on_a_wrong_result(bench: ModuleType, monkeypatch: pytest.MonkeyPatch
+                                       ) -> None:
+    real = bench.linear_cross_entropy
+
+    def off_by_one(h, w, b, tgt, wts, *, n_valid, backend, **kw):  # noqa: ANN001, ANN202
+        if backend == "triton":  # "ours" reads the neighbouring column as the target
+            tgt = (tgt + 1) % n_valid
+        return real(h, w, b, tgt, wts, n_valid=n_valid, backend=backend, **kw)
+
+    monkeypatch.setattr(bench, "linear_cross_entropy", off_by_one)
+    failed = set(run_checks(bench, torch.float32).failed)
+    loss = "loss fp32 N=37 V=4133 n_valid=4100 E=16"
+    assert {f"{loss} vs torch reference", f"{loss} vs F.cross_entropy"} <= failed
+    assert not any(name.startswith("softmax") for name in failed)
+
+
+def test_relative_error_sees_nan(bench: ModuleType) -> None:
+    ref = torch.ones(3)
+    assert bench.relative_error(torch.tensor([1.0, float("nan"), 1.0]), ref) == float("inf")
+    assert bench.relative_error(torch.tensor([1.0, 1.5, 1.0]), ref) == 0.5
+
+
+def test_help_and_no_gpu_message(bench: ModuleType, monkeypatch: pytest.MonkeyPatch,
+                                  capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setattr(sys, "argv", ["kernels_gpu.py", "--help"])
+    with pytest.raises(SystemExit) as exit_:
+        bench.main()
+    assert exit_.value.code == 0 and "--dtype" in capsys.readouterr().out
+    monkeypatch.setattr(sys, "argv", ["kernels_gpu.py", "--dtype", "bf16,fp32"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_:
+        bench.main()
+    assert "needs a CUDA GPU" in str(exit_.value.code)  # a message: exit status 1
