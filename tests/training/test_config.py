@@ -13,8 +13,10 @@ from megatron_rembert.config import ConfigError
 from megatron_rembert.data.common import DataError
 from megatron_rembert.training.checkpoint import CheckpointError, find_latest
 from megatron_rembert.training.config import (
+    RANGES,
     Config,
     build_config,
+    check_ranges,
     config_help,
     load_config,
     validate_config,
@@ -176,5 +178,19 @@ def test_help_lists_every_key_with_its_comment():
     for section in ("parallel", "data", "optim", "train"):
         for f in dataclasses.fields(getattr(Config(), section)):
             assert f"  {section}.{f.name} = " in text
-    assert "parallel.zero_stage = 1  (ZeRO stage 1 or 2;" in text  # an inline comment
-    assert "model.input_embedding_size = 256  (E_in: width" in text  # a comment line above
+    assert "parallel.zero_stage = 1  [0, 2]  (ZeRO stage 1 or 2;" in text  # an inline comment
+    assert "model.input_embedding_size = 256  >= 1  (E_in: width" in text  # a comment above
+    assert "data.mask_prob = 0.15  (0, 1)" in text and "optim.lr = 0.0002  > 0" in text
+
+
+def test_every_numeric_setting_has_a_range_checked_before_heavy_work():
+    default = Config()
+    for section in ("model", "parallel", "data", "optim", "train"):
+        for f in dataclasses.fields(getattr(default, section)):
+            if f.type in ("int", "float"):
+                key = f"{section}.{f.name}"
+                assert key in RANGES, f"{key} has no range"
+                config = build_config({}, [f"{key}=.nan" if f.type == "float" else
+                                           f"{key}=-1000000000000"])
+                with pytest.raises(ConfigError, match=f"^{key}="):
+                    check_ranges(config)
