@@ -2,10 +2,12 @@
 
 import dataclasses
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -115,6 +117,16 @@ def test_other_tokenizer_is_refused(tiny_dataset, tmp_path):
     other.write_bytes(tiny_dataset[1].read_bytes() + b"x")
     with pytest.raises(DataError, match="manifest.json: dataset made with tokenizer"):
         check_inputs(_tiny(tiny_dataset, f"data.tokenizer={other}"), 1, torch.device("cpu"))
+
+
+def test_pickled_word_starts_is_refused_before_the_model_is_built(tiny_dataset, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(tiny_dataset[0], data)
+    # An object array: np.save pickles it, and loading it would run the pickle's code.
+    np.save(data / "word_starts.npy", np.array([print], dtype=object), allow_pickle=True)
+    config = _tiny(tiny_dataset, f"data.path={data}", "data.whole_word_mask=true")
+    with pytest.raises(DataError, match="word_starts.npy: not a plain .npy array"):
+        check_inputs(config, 1, torch.device("cpu"))
 
 
 def test_vocab_size_mismatch(tiny_dataset):
