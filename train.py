@@ -1,6 +1,11 @@
 """Pre-train a RemBERT-style encoder: `train.py --config configs/tiny.yaml [--set k=v ...]`.
 
 Launch one process per GPU with torchrun (or SLURM, see slurm/); on CPU the ranks use gloo.
+
+Exit codes: 0 done, or stopped by SIGTERM / SIGUSR1 / Ctrl-C after saving at the step
+boundary (during start-up: nothing to save yet); 2 bad settings or input (one `error:` line,
+before any heavy work); 130 a second Ctrl-C (no save; the last complete checkpoint is kept);
+1 anything else.
 """
 
 from __future__ import annotations
@@ -12,7 +17,8 @@ import sys
 from megatron_rembert.config import ConfigError
 from megatron_rembert.data.common import DataError
 from megatron_rembert.training.checkpoint import CheckpointError
-from megatron_rembert.training.config import config_help, load_config
+from megatron_rembert.training.config import check_settings, config_help, load_config
+from megatron_rembert.training.signals import StopFlag
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,15 +40,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config, args.set)
+        # Ranges and paths, before torch.distributed, DeepSpeed or the model start.
+        check_settings(config)
+        if args.world_size is not None and args.world_size < 1:
+            raise ConfigError(f"--world-size {args.world_size}: must be >= 1")
         if args.dry_run:
             from megatron_rembert.training.estimate import dry_run_report
 
             world = args.world_size or config.parallel.tp * config.parallel.pp
             print(dry_run_report(config, world))
             return 0
+        # Stop signals are remembered from here on: DeepSpeed and the model start later.
+        stop = StopFlag()
         from megatron_rembert.training.loop import train
 
-        summary = train(config)
+        summary = train(config, stop)
     except (ConfigError, DataError, CheckpointError) as err:
         # Bad input: one clear line, no traceback (raised before any heavy work).
         print(f"error: {err}", file=sys.stderr)

@@ -9,6 +9,7 @@ import argparse
 import _path  # noqa: F401
 
 from megatron_rembert.data.demo_corpus import LANGUAGES, make_demo_corpus
+from megatron_rembert.paths import unwritable_reason
 
 
 def main() -> None:
@@ -20,6 +21,8 @@ def main() -> None:
     p.add_argument("--languages", nargs="*", choices=[x.code for x in LANGUAGES],
                    help="subset of languages (default: all)")
     args = p.parse_args()
+    if reason := unwritable_reason(args.out):
+        p.error(f"--out {args.out}: {reason}")
     docs = make_demo_corpus(args.out, args.size_mb, args.seed, args.languages)
     for lang, n in docs.items():
         print(f"{lang:8s} {n:8,d} documents")

@@ -19,6 +19,7 @@ import _path  # noqa: F401
 
 from megatron_rembert.data.common import DataError, atomic_write_json
 from megatron_rembert.data.shards import MANIFEST, read_manifest
+from megatron_rembert.paths import is_inside, unwritable_reason
 
 # Manifest keys that must agree between parts: they describe how every shard was made.
 SAME = ("schema_version", "tokenizer", "seq_length", "special_ids", "word_starts",
@@ -103,6 +104,12 @@ def main() -> None:
     p.add_argument("parts", nargs="+", type=Path, help="dataset folders made by preprocess.py")
     p.add_argument("--out", required=True, type=Path, help="merged dataset folder")
     a = p.parse_args()
+    # Output checks first: nothing is linked or copied before they pass.
+    for part in a.parts:
+        if is_inside(a.out, part):
+            p.error(f"--out {a.out} is inside the part {part}; merge into a new folder")
+    if reason := unwritable_reason(a.out):
+        p.error(f"--out {a.out}: {reason}")
     try:
         manifest = merge(a.parts, a.out)
     except DataError as e:

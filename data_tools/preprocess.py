@@ -17,6 +17,7 @@ from megatron_rembert.data.common import DataError
 from megatron_rembert.data.corpus import DEFAULT_MAX_LINE_BYTES, SKIPPED_VS_ERRORS
 from megatron_rembert.data.inspection import summary_table
 from megatron_rembert.data.preprocess import PreprocessConfig, preprocess
+from megatron_rembert.paths import is_inside, unwritable_reason
 
 
 def main() -> None:
@@ -40,6 +41,12 @@ def main() -> None:
                    help="replace a dataset in --out made with other settings")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args()
+    # Output checks first: nothing is read or written before they pass.
+    if is_inside(a.out, a.corpus):
+        p.error(f"--out {a.out} is inside --corpus {a.corpus}: the shards would become part "
+                "of the corpus; choose a folder outside it")
+    if reason := unwritable_reason(a.out):
+        p.error(f"--out {a.out}: {reason}")
     cfg = PreprocessConfig(a.corpus, a.out, a.tokenizer, a.seq_length, a.workers,
                            a.shard_size_mb, a.valid_fraction, a.languages, a.max_line_bytes,
                            overwrite=a.overwrite, progress=not a.no_progress)

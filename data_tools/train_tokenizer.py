@@ -17,6 +17,7 @@ import _path  # noqa: F401
 from megatron_rembert.data.common import DataError
 from megatron_rembert.data.corpus import DEFAULT_MAX_LINE_BYTES, SKIPPED_VS_ERRORS
 from megatron_rembert.data.tokenizer import train_tokenizer
+from megatron_rembert.paths import unwritable_reason
 
 
 def main() -> None:
@@ -37,6 +38,11 @@ def main() -> None:
                    help="allow a smaller vocabulary than --vocab-size on small corpora")
     p.add_argument("--verbose", action="store_true", help="show SentencePiece's log")
     a = p.parse_args()
+    # Output checks first: a failure after hours of training would lose the tokenizer.
+    if os.path.isdir(a.out):
+        p.error(f"--out {a.out} is a folder; --out is a prefix, e.g. {a.out}/spm")
+    if reason := unwritable_reason(os.path.dirname(a.out) or "."):
+        p.error(f"--out {a.out}: {reason}")
     try:
         info = train_tokenizer(a.corpus, a.out, a.vocab_size, a.alpha, a.character_coverage,
                                a.threads, a.max_sentences, a.seed, a.languages, a.max_line_bytes,

@@ -8,11 +8,48 @@ of its Section 4.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and the fix."""
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric setting may take: finite, from `low` to `high` (None: unbounded),
+    each end included unless marked open. Shown in `train.py --help` and in the error."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        return (math.isfinite(value)
+                and (self.low is None or value > self.low or (value == self.low
+                                                              and not self.low_open))
+                and (self.high is None or value < self.high or (value == self.high
+                                                                and not self.high_open)))
+
+    def __str__(self) -> str:
+        low, high = (f"{x:g}" if isinstance(x, float) else str(x) for x in (self.low, self.high))
+        if self.high is None:
+            return f"{'>' if self.low_open else '>='} {low}"
+        return f"{'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
+
+    def check(self, key: str, value: float) -> None:
+        if value not in self:
+            finite = "a finite number " if isinstance(value, float) else ""
+            bounds = str(self) if self.high is None else f"in {self}"
+            raise ConfigError(f"{key}={value}: must be {finite}{bounds}")
+
+
+AT_LEAST_1 = Range(1)
+AT_LEAST_0 = Range(0)
+POSITIVE = Range(0, low_open=True)
+PROBABILITY = Range(0.0, 1.0, high_open=True)  # [0, 1): dropout, Adam's betas
 
 
 @dataclass
@@ -55,12 +92,8 @@ class ModelConfig:
 
     def validate(self, tp: int = 1) -> None:
         """Raise ConfigError naming the field if the config cannot be built at this TP size."""
-        positive = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                    "intermediate_size", "input_embedding_size", "output_embedding_size",
-                    "max_position_embeddings", "type_vocab_size")
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
+        for name, allowed in MODEL_RANGES.items():
+            allowed.check(f"model.{name}", getattr(self, name))
         if tp < 1:
             raise ConfigError(f"parallel.tp must be >= 1, got {tp}")
         if self.hidden_size % self.num_attention_heads:
@@ -81,11 +114,9 @@ class ModelConfig:
                 "model.tie_embeddings=true needs model.input_embedding_size == "
                 f"model.output_embedding_size, got {self.input_embedding_size} and "
                 f"{self.output_embedding_size}")
-        if not 0 <= self.pad_token_id < self.vocab_size:
-            raise ConfigError(f"model.pad_token_id={self.pad_token_id} is outside the vocabulary")
-        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ConfigError(f"model.{name} must be in [0, 1), got {getattr(self, name)}")
+        if not self.pad_token_id < self.vocab_size:
+            raise ConfigError(f"model.pad_token_id={self.pad_token_id} is outside the vocabulary "
+                              f"(model.vocab_size={self.vocab_size})")
         if self.attention_backend not in ("sdpa", "fused_softmax"):
             raise ConfigError(
                 f"model.attention_backend={self.attention_backend!r}: expected 'sdpa' or "
@@ -97,6 +128,18 @@ class ModelConfig:
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
+
+# Every numeric field of ModelConfig and the values it may take.
+MODEL_RANGES: dict[str, Range] = {
+    **dict.fromkeys(("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "intermediate_size", "input_embedding_size", "output_embedding_size",
+                     "max_position_embeddings", "type_vocab_size"), AT_LEAST_1),
+    "layer_norm_eps": Range(0.0, 1.0, low_open=True, high_open=True),
+    "hidden_dropout_prob": PROBABILITY,
+    "attention_probs_dropout_prob": PROBABILITY,
+    "initializer_range": POSITIVE,
+    "pad_token_id": AT_LEAST_0,  # and < vocab_size
+}
 
 # The paper's ablation baseline (Section 4): mBERT-sized, 12 layers, H 768, 12 heads, a 120k
 # vocabulary (its exact size is not given), no dropout.

@@ -15,6 +15,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import signal
 from collections.abc import Iterator
 
 import numpy as np
@@ -86,6 +87,9 @@ def _init(make_pickled: bytes) -> None:
     # first task instead, where the caller sees it.
     global _MAKE
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # Ctrl-C reaches the whole process group; the rank handles it (training/signals.py) and
+    # still needs its loader for the step it finishes before saving.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         _MAKE = pickle.loads(make_pickled)
     except BaseException as e:  # noqa: BLE001 - re-raised in _run

@@ -149,7 +149,11 @@ class ShardDataset:
     def word_starts(self) -> np.ndarray:
         """[V] bool table for whole-word masking, written by preprocess.py."""
         path = self.data_dir / WORD_STARTS
-        table = np.load(path)
+        try:
+            table = np.load(path)  # allow_pickle=False: a pickled object is refused, never run
+        except (OSError, ValueError) as err:
+            raise DataError(f"{path}: not a plain .npy array ({err}); re-run "
+                            "preprocess.py.") from None
         if table.shape != (self.vocab_size,) or table.dtype != bool:
             raise DataError(f"{path} has shape {table.shape} {table.dtype}, expected "
                             f"({self.vocab_size},) bool; re-run preprocess.py.")

@@ -20,7 +20,18 @@ from pathlib import Path
 
 import yaml
 
-from megatron_rembert.config import ConfigError, ModelConfig, get_preset
+from megatron_rembert.config import (
+    AT_LEAST_0,
+    AT_LEAST_1,
+    MODEL_RANGES,
+    POSITIVE,
+    PROBABILITY,
+    ConfigError,
+    ModelConfig,
+    Range,
+    get_preset,
+)
+from megatron_rembert.paths import unwritable_reason
 
 
 @dataclass
@@ -44,7 +55,8 @@ class DataConfig:
     alpha: float = 0.5  # language sampling exponent (paper: 0.5)
     mask_prob: float = 0.15
     whole_word_mask: bool = False
-    max_predictions: int = 0  # P, masked slots per sequence; 0 = derived from seq_length
+    # P, masked slots per sequence (at most seq_length); 0 = derived from seq_length
+    max_predictions: int = 0
     num_workers: int = 1
 
 
@@ -58,8 +70,8 @@ class OptimConfig:
     weight_decay: float = 0.01
     warmup_steps: int = 15_000
     decay: str = "linear"  # linear | cosine | constant, after warm-up, to min_lr at train.steps
-    min_lr: float = 0.0
-    clip_grad: float = 1.0
+    min_lr: float = 0.0  # at most lr
+    clip_grad: float = 1.0  # global gradient-norm limit; 0 = no clipping
 
 
 @dataclass
@@ -97,6 +109,70 @@ class Config:
 
 _SECTIONS = {f.name: f for f in dataclasses.fields(Config) if f.name != "model_preset"}
 
+# Every numeric setting and the values it may take (all finite), checked by check_ranges and
+# shown by `train.py --help`. Settings that depend on each other are checked in
+# validate_config.
+RANGES: dict[str, Range] = {
+    **{f"model.{name}": allowed for name, allowed in MODEL_RANGES.items()},
+    "parallel.tp": AT_LEAST_1,
+    "parallel.pp": AT_LEAST_1,
+    "parallel.zero_stage": Range(0, 2),
+    "parallel.timeout_minutes": POSITIVE,
+    "data.seq_length": Range(3),  # [CLS], one token, [SEP]
+    "data.alpha": Range(0.0, 1.0),
+    "data.mask_prob": Range(0.0, 1.0, low_open=True, high_open=True),
+    "data.max_predictions": AT_LEAST_0,  # and <= data.seq_length
+    "data.num_workers": AT_LEAST_0,
+    "optim.lr": POSITIVE,
+    "optim.beta1": PROBABILITY,
+    "optim.beta2": PROBABILITY,
+    "optim.eps": POSITIVE,
+    "optim.weight_decay": AT_LEAST_0,
+    "optim.warmup_steps": AT_LEAST_0,
+    "optim.min_lr": AT_LEAST_0,  # and <= optim.lr
+    "optim.clip_grad": AT_LEAST_0,
+    "train.steps": AT_LEAST_1,
+    "train.micro_batch_size": AT_LEAST_1,
+    "train.global_batch_size": AT_LEAST_1,
+    "train.seed": Range(0, 2**32 - 1),  # numpy's seed range
+    "train.log_interval": AT_LEAST_1,
+    "train.eval_interval": AT_LEAST_0,
+    "train.eval_batches": AT_LEAST_1,
+    "train.save_interval": AT_LEAST_0,
+    "train.keep_last": AT_LEAST_1,
+    "train.max_nonfinite_steps": AT_LEAST_1,
+}
+
+
+def check_ranges(config: Config) -> None:
+    """Every numeric setting finite and in its range (RANGES), naming the key if not."""
+    for key, allowed in RANGES.items():
+        section, name = key.split(".")
+        allowed.check(key, getattr(getattr(config, section), name))
+    if config.data.max_predictions > config.data.seq_length:
+        raise ConfigError(f"data.max_predictions={config.data.max_predictions} exceeds "
+                          f"data.seq_length={config.data.seq_length}")
+    if config.optim.min_lr > config.optim.lr:
+        raise ConfigError(f"optim.min_lr={config.optim.min_lr} exceeds "
+                          f"optim.lr={config.optim.lr}")
+
+
+def check_paths(config: Config) -> None:
+    """train.save_dir and train.log_dir: a folder, or one that can be made, and writable."""
+    for key in ("train.save_dir", "train.log_dir"):
+        text = getattr(config.train, key.split(".")[1])
+        if not text:
+            raise ConfigError(f"{key} is empty: set it to a folder")
+        reason = unwritable_reason(text)
+        if reason:
+            raise ConfigError(f"{key}={text}: {reason}; point {key} at a writable folder")
+
+
+def check_settings(config: Config) -> None:
+    """The checks that need neither the world size nor any heavy import: ranges and paths."""
+    check_ranges(config)
+    check_paths(config)
+
 
 def _coerce(value, annotation, key: str):
     """Check a YAML value against a field's type; ints are accepted for floats."""
@@ -122,6 +198,7 @@ def _set_field(section_obj, section: str, name: str, value) -> None:
 
 def build_config(raw: dict, overrides: list[str] = ()) -> Config:
     """A Config from a parsed YAML dict plus `section.key=value` overrides (later wins)."""
+    _check_sections(raw or {}, "config")
     raw = {k: dict(v or {}) for k, v in (raw or {}).items()}
     for item in overrides:
         if "=" not in item:
@@ -130,7 +207,11 @@ def build_config(raw: dict, overrides: list[str] = ()) -> Config:
         if key.count(".") != 1:
             raise ConfigError(f"--set {key}: expected SECTION.KEY, e.g. parallel.tp=2")
         section, name = key.split(".")
-        raw.setdefault(section, {})[name] = yaml.safe_load(text) if text else ""
+        try:
+            value = yaml.safe_load(text) if text else ""
+        except yaml.YAMLError:
+            value = text  # not a YAML scalar: kept as text; the key's type check names it
+        raw.setdefault(section, {})[name] = value
     unknown = set(raw) - set(_SECTIONS)
     if unknown:
         raise ConfigError(f"unknown config section(s) {sorted(unknown)}; expected "
@@ -152,23 +233,51 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"--config {path}: no such file")
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = _read_yaml(path) or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+        _check_sections(raw, str(path))
     return build_config(raw, overrides)
 
 
+def _check_sections(raw: dict, source: str) -> None:
+    for section, values in raw.items():
+        if values is not None and not isinstance(values, dict):
+            raise ConfigError(f"{source}: section {section!r} must be a mapping of keys, "
+                              f"got {values!r}")
+
+
+def _read_yaml(path: Path):
+    """Plain YAML only (safe_load: no `!!python/...` tags); any problem is one line naming
+    the file and line."""
+    try:
+        return yaml.safe_load(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {err.start})") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f", line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        if "python/" in problem:
+            problem = ("a !!python tag, which would build Python objects; only plain values, "
+                       "lists and mappings are allowed")
+        raise ConfigError(f"{path}{where}: not a valid config: {problem}") from None
+
+
 def config_help() -> str:
-    """Every key with its default, for `train.py --help`."""
-    lines = ["config keys (section.key, default):", "  model.preset = rembert  (one of the "
-             "presets in megatron_rembert/config.py; other model.* keys override it)"]
+    """Every key with its default and the values it may take, for `train.py --help`."""
+    lines = ["config keys (section.key = default, allowed values; numbers must be finite):",
+             "  model.preset = rembert  (one of the presets in megatron_rembert/config.py; "
+             "other model.* keys override it)"]
     default = Config()
     for section in _SECTIONS:
         values = getattr(default, section)
         notes = _field_notes(type(values))
         for f in dataclasses.fields(values):
+            key = f"{section}.{f.name}"
+            allowed = f"  {RANGES[key]}" if key in RANGES else ""
             note = f"  ({notes[f.name]})" if f.name in notes else ""
-            lines.append(f"  {section}.{f.name} = {getattr(values, f.name)}{note}")
+            lines.append(f"  {key} = {getattr(values, f.name)}{allowed}{note}")
     return "\n".join(lines)
 
 
@@ -190,6 +299,7 @@ def _field_notes(cls) -> dict[str, str]:
 
 def validate_config(config: Config, world_size: int) -> int:
     """Check everything that can be checked before any heavy work; returns the DP size."""
+    check_ranges(config)
     par, train, optim = config.parallel, config.train, config.optim
     if par.tp < 1 or par.pp < 1 or world_size % (par.tp * par.pp):
         raise ConfigError(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import os
-import signal
 import time
 from pathlib import Path
 
@@ -22,27 +21,11 @@ from megatron_rembert.training import checkpoint as ckpt
 from megatron_rembert.training.config import Config, validate_config
 from megatron_rembert.training.hang import POSITION, Watchdog, describe, is_collective_failure
 from megatron_rembert.training.metrics import MetricsLogger, format_line, memory_gib, peak_flops
+from megatron_rembert.training.signals import StopFlag
 
 
 class TrainingError(RuntimeError):
     pass
-
-
-class StopFlag:
-    """SIGTERM / SIGUSR1 (SLURM's warning before preemption or the time limit) set a flag; the
-    ranks agree on it at a step boundary with one tiny all-reduce, then save and exit."""
-
-    def __init__(self):
-        self.raised = False
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        self.raised = True
-
-    def agreed(self) -> bool:
-        (flag,) = comm.all_reduce_values([1.0 if self.raised else 0.0], op=dist.ReduceOp.MAX)
-        return flag > 0
 
 
 def setup_distributed(timeout_minutes: float = 10.0, backend: str = "auto"
@@ -98,6 +81,8 @@ def check_inputs(config: Config, world_size: int, device: torch.device
             raise ConfigError(f"data.tokenizer={data.tokenizer}: no such file")
         sha = sha256_file(data.tokenizer)
     dataset = ShardDataset(data.path, "train", tokenizer_sha256=sha, seq_length=data.seq_length)
+    if data.whole_word_mask:
+        dataset.word_starts()  # read (and checked) now, not after the model is built
     if dataset.vocab_size != config.model.vocab_size:
         raise ConfigError(
             f"data.path={data.path} was made with a tokenizer of {dataset.vocab_size} pieces, "
@@ -136,17 +121,21 @@ def _resume(trainer, config: Config, world: int) -> tuple[int, int]:
     return resumed.step, resumed.consumed_samples
 
 
-def train(config: Config) -> dict:
+def train(config: Config, stop: StopFlag | None = None) -> dict:
     """Run (or resume) training; returns a summary of where everything went.
+
+    `stop`: the stop-signal flag (training/signals.py), installed here if not given; train.py
+    installs it before its heavy imports.
 
     A collective that times out or breaks (a rank hung or died) ends the run with an error
     naming this rank's position (step, phase, micro-batch or pipeline instruction).
     """
+    stop = stop or StopFlag()
     rank, world, device = setup_distributed(config.parallel.timeout_minutes,
                                             config.parallel.backend)
     watchdog = Watchdog(rank, 0.9 * 60 * config.parallel.timeout_minutes).start()
     try:
-        return _train(config, rank, world, device)
+        return _train(config, rank, world, device, stop)
     except Exception as err:
         if is_collective_failure(err):
             raise TrainingError(
@@ -158,13 +147,13 @@ def train(config: Config) -> dict:
         watchdog.stop()
 
 
-def _train(config: Config, rank: int, world: int, device: torch.device) -> dict:
+def _train(config: Config, rank: int, world: int, device: torch.device, stop: StopFlag
+           ) -> dict:
     from megatron_rembert.training.engine import Trainer
 
     POSITION.set(step=0, phase="start-up")
     dp, sha = check_inputs(config, world, device)
     s = state.initialize_model_parallel(config.parallel.tp, config.parallel.pp)
-    stop = StopFlag()
     log = MetricsLogger(config.train.log_dir, enabled=rank == 0)
     trainer = Trainer(config, dp, device)
     # Dropout streams seeded after the model is built: building draws from the default stream
@@ -183,6 +172,12 @@ def _train(config: Config, rank: int, world: int, device: torch.device) -> dict:
         alpha=data.alpha, mask_prob=data.mask_prob, whole_word_mask=data.whole_word_mask,
         vocab_size=config.model.vocab_size, max_predictions=data.max_predictions or None,
         num_workers=data.num_workers)
+    POSITION.set(phase="signal agreement")
+    if stop.agreed():  # a stop request during start-up: nothing new to save
+        log.console(f"{stop.name or 'a signal'} during start-up: nothing new to save; exiting")
+        log.close()
+        return {"step": step, "last_saved": step or None, "last": {},
+                "save_dir": config.train.save_dir, "log_dir": config.train.log_dir}
     meta = _meta(config, sha, world)
     flops_token = flops_per_token(config.model, data.seq_length, data.mask_prob)["training"]
     peak = peak_flops(device)

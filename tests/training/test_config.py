@@ -2,10 +2,12 @@
 
 import dataclasses
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,8 +15,10 @@ from megatron_rembert.config import ConfigError
 from megatron_rembert.data.common import DataError
 from megatron_rembert.training.checkpoint import CheckpointError, find_latest
 from megatron_rembert.training.config import (
+    RANGES,
     Config,
     build_config,
+    check_ranges,
     config_help,
     load_config,
     validate_config,
@@ -115,6 +119,16 @@ def test_other_tokenizer_is_refused(tiny_dataset, tmp_path):
         check_inputs(_tiny(tiny_dataset, f"data.tokenizer={other}"), 1, torch.device("cpu"))
 
 
+def test_pickled_word_starts_is_refused_before_the_model_is_built(tiny_dataset, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(tiny_dataset[0], data)
+    # An object array: np.save pickles it, and loading it would run the pickle's code.
+    np.save(data / "word_starts.npy", np.array([print], dtype=object), allow_pickle=True)
+    config = _tiny(tiny_dataset, f"data.path={data}", "data.whole_word_mask=true")
+    with pytest.raises(DataError, match="word_starts.npy: not a plain .npy array"):
+        check_inputs(config, 1, torch.device("cpu"))
+
+
 def test_vocab_size_mismatch(tiny_dataset):
     with pytest.raises(ConfigError, match="set model.vocab_size=1000"):
         check_inputs(_tiny(tiny_dataset, "model.vocab_size=1200"), 1, torch.device("cpu"))
@@ -176,5 +190,19 @@ def test_help_lists_every_key_with_its_comment():
     for section in ("parallel", "data", "optim", "train"):
         for f in dataclasses.fields(getattr(Config(), section)):
             assert f"  {section}.{f.name} = " in text
-    assert "parallel.zero_stage = 1  (ZeRO stage 1 or 2;" in text  # an inline comment
-    assert "model.input_embedding_size = 256  (E_in: width" in text  # a comment line above
+    assert "parallel.zero_stage = 1  [0, 2]  (ZeRO stage 1 or 2;" in text  # an inline comment
+    assert "model.input_embedding_size = 256  >= 1  (E_in: width" in text  # a comment above
+    assert "data.mask_prob = 0.15  (0, 1)" in text and "optim.lr = 0.0002  > 0" in text
+
+
+def test_every_numeric_setting_has_a_range_checked_before_heavy_work():
+    default = Config()
+    for section in ("model", "parallel", "data", "optim", "train"):
+        for f in dataclasses.fields(getattr(default, section)):
+            if f.type in ("int", "float"):
+                key = f"{section}.{f.name}"
+                assert key in RANGES, f"{key} has no range"
+                config = build_config({}, [f"{key}=.nan" if f.type == "float" else
+                                           f"{key}=-1000000000000"])
+                with pytest.raises(ConfigError, match=f"^{key}="):
+                    check_ranges(config)
