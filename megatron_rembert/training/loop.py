@@ -97,7 +97,10 @@ def check_inputs(config: Config, world_size: int, device: torch.device
         if not Path(data.tokenizer).is_file():
             raise ConfigError(f"data.tokenizer={data.tokenizer}: no such file")
         sha = sha256_file(data.tokenizer)
-    dataset = ShardDataset(data.path, "train", tokenizer_sha256=sha, seq_length=data.seq_length)
+    # Starts hashing the shards in a background thread while the model is built (the loader
+    # waits for the checks of the shards each batch reads).
+    dataset = ShardDataset(data.path, "train", tokenizer_sha256=sha, seq_length=data.seq_length,
+                           verify_in_background=True)
     if dataset.vocab_size != config.model.vocab_size:
         raise ConfigError(
             f"data.path={data.path} was made with a tokenizer of {dataset.vocab_size} pieces, "
