@@ -149,8 +149,8 @@ class _BackgroundChecksums:
             path, sha256, future = self._queue.get()
             try:
                 check_sha256(path, sha256)
-            except DataError as e:
-                future.set_exception(e)
+            except Exception as e:  # noqa: BLE001 - any failure goes to the waiting loader,
+                future.set_exception(e)  # which would otherwise wait forever
             else:
                 future.set_result(None)
 
