@@ -113,7 +113,8 @@ def main() -> None:
     try:
         manifest = merge(a.parts, a.out)
     except DataError as e:
-        sys.exit(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)  # bad input (docs/data.md)
     print(f"merged {len(a.parts)} part(s): {len(manifest['languages'])} languages, "
           f"{len(manifest['shards'])} shards -> {a.out}/{MANIFEST}")
 

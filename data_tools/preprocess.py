@@ -53,7 +53,8 @@ def main() -> None:
     try:
         manifest = preprocess(cfg)
     except DataError as e:
-        sys.exit(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)  # bad input (docs/data.md)
     print(summary_table(manifest, a.alpha))
     skipped = {k: v for k, v in manifest["skipped"].items() if v}
     print(f"skipped input: {skipped or 'nothing'}")

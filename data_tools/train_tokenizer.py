@@ -48,7 +48,8 @@ def main() -> None:
                                a.threads, a.max_sentences, a.seed, a.languages, a.max_line_bytes,
                                not a.no_hard_vocab_limit, a.verbose)
     except DataError as e:
-        sys.exit(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)  # bad input (docs/data.md)
     print(f"wrote {a.out}.model ({info['vocab_size']:,} pieces, sha256 {info['sha256']})")
     for lang, v in info["languages"].items():
         print(f"{lang:10s} chunks {v['chunks']:>10,}  sampled {v['sampled']:>10,}  "

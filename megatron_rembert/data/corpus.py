@@ -1,13 +1,17 @@
 """Reading a corpus folder: `DIR/<lang>/**/*.{txt,jsonl}[.gz]`.
 
 `.txt`: one document per line. `.jsonl`: one JSON object per line with a string field `text`.
-What is skipped (and counted) versus what is an error is listed in `SKIPPED_VS_ERRORS`, which
-the command-line tools print in `--help`.
+Text is UTF-8, or UTF-16/UTF-32 when the file starts with that encoding's byte-order mark
+(Windows "Unicode" text); line ends may be CRLF. Symlinks inside a language folder are
+followed. What is skipped (and counted) versus what is an error is listed in
+`SKIPPED_VS_ERRORS`, which the command-line tools print in `--help`.
 """
 
 from __future__ import annotations
 
+import codecs
 import gzip
+import io
 import json
 import os
 import re
@@ -22,10 +26,13 @@ LANG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
 DEFAULT_MAX_LINE_BYTES = 1 << 24  # 16 MiB: a whole book on one line is fine, a 1 GB blob is not
 
 SKIPPED_VS_ERRORS = """\
-skipped, counted and reported in the summary: blank lines; lines that are not valid UTF-8;
-lines longer than --max-line-bytes; .jsonl lines that are not JSON objects with a string field
-"text"; empty files; files of unknown type (not .txt/.jsonl, optionally .gz) and files directly
-in the corpus folder; language folders that hold no text.
+skipped, counted and reported in the summary: blank lines; lines that are not valid text
+(invalid UTF-8, a lone surrogate in UTF-16/32 or in a .jsonl "text"); lines longer than
+--max-line-bytes; .jsonl lines that are not JSON objects with a string field "text"; empty
+files; files of unknown type (not .txt/.jsonl, optionally .gz) and files directly in the corpus
+folder; language folders that hold no text; symlinks that dangle or lead to a folder or file
+already read (a loop), listed by name. Files in UTF-16/UTF-32 with a byte-order mark are
+decoded; file names that are not UTF-8 are shown with \\x escapes.
 errors (exit code 2, message names the path): a missing or unreadable corpus folder, an
 unreadable or corrupt (e.g. truncated .gz) file, a language folder name that is not
 [A-Za-z0-9_-], a corpus in which no language has any text."""
@@ -42,6 +49,7 @@ class SkipStats:
     empty_files: int = 0
     unknown_files: list[str] = field(default_factory=list)
     empty_languages: list[str] = field(default_factory=list)
+    skipped_links: list[str] = field(default_factory=list)  # dangling, or a loop
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -56,11 +64,13 @@ class SkipStats:
 
     def report(self) -> str:
         parts = [f"{k}={v}" for k, v in asdict(self).items() if isinstance(v, int) and v]
-        if self.unknown_files:
-            shown = ", ".join(self.unknown_files[:5])
-            more = len(self.unknown_files) - 5
-            parts.append(f"unknown_files={len(self.unknown_files)} ({shown}"
-                         f"{f', +{more} more' if more > 0 else ''})")
+        for key in ("unknown_files", "skipped_links"):
+            names = getattr(self, key)
+            if names:
+                shown = ", ".join(names[:5])
+                more = len(names) - 5
+                parts.append(f"{key}={len(names)} ({shown}"
+                             f"{f', +{more} more' if more > 0 else ''})")
         if self.empty_languages:
             parts.append(f"languages without text: {', '.join(self.empty_languages)}")
         return "skipped: " + ("; ".join(parts) if parts else "nothing")
@@ -85,6 +95,43 @@ def _file_kind(name: str) -> tuple[str | None, bool]:
     return None, gz
 
 
+def shown_name(name: str) -> str:
+    """A file name as printable, JSON-safe text: bytes that are not UTF-8 (which Python keeps
+    as lone surrogates) become \\xNN escapes. Valid names are unchanged."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def _language_files(lang_dir: Path, root: Path, stats: SkipStats) -> list[Path]:
+    """Every file under `lang_dir`, sorted, following symlinks. A folder or file reached a
+    second time (a symlink loop, or two links to one place) and a dangling link are skipped
+    and listed in `stats.skipped_links`."""
+    top = lang_dir.stat()
+    seen = {(top.st_dev, top.st_ino)}
+    files: list[Path] = []
+    stack = [lang_dir]
+    while stack:
+        d = stack.pop()
+        try:
+            entries = sorted(d.iterdir())
+        except OSError as e:
+            raise DataError(f"cannot read language folder {d}: {e}") from e
+        for p in entries:
+            try:
+                st = p.stat()  # follows the link
+            except OSError:  # a dangling link (or one that loops on itself)
+                stats.skipped_links.append(shown_name(p.relative_to(root).as_posix()))
+                continue
+            if (st.st_dev, st.st_ino) in seen:
+                stats.skipped_links.append(shown_name(p.relative_to(root).as_posix()))
+                continue
+            seen.add((st.st_dev, st.st_ino))
+            if p.is_dir():
+                stack.append(p)
+            elif p.is_file():
+                files.append(p)
+    return sorted(files)
+
+
 def discover_corpus(
     root: str | os.PathLike, languages: list[str] | None = None
 ) -> tuple[dict[str, list[CorpusFile]], SkipStats]:
@@ -105,11 +152,12 @@ def discover_corpus(
     for p in entries:
         if p.is_dir():
             if not LANG_RE.match(p.name):
-                raise DataError(f"language folder {p} has a name that is not [A-Za-z0-9_-]; "
-                                "rename it to a language code such as 'en' or 'zh_hans'.")
+                raise DataError(f"language folder {shown_name(str(p))} has a name that is not "
+                                "[A-Za-z0-9_-]; rename it to a language code such as 'en' or "
+                                "'zh_hans'.")
             lang_dirs[p.name] = p
         else:
-            stats.unknown_files.append(p.name)
+            stats.unknown_files.append(shown_name(p.name))
     if languages:
         missing = [lang for lang in languages if lang not in lang_dirs]
         if missing:
@@ -118,12 +166,8 @@ def discover_corpus(
     out: dict[str, list[CorpusFile]] = {}
     for lang, d in lang_dirs.items():
         files = []
-        try:
-            paths = sorted(p for p in d.rglob("*") if p.is_file())
-        except OSError as e:
-            raise DataError(f"cannot read language folder {d}: {e}") from e
-        for p in paths:
-            rel = p.relative_to(root).as_posix()
+        for p in _language_files(d, root, stats):
+            rel = shown_name(p.relative_to(root).as_posix())
             kind, gz = _file_kind(p.name)
             if kind is None:
                 stats.unknown_files.append(rel)
@@ -141,6 +185,38 @@ def discover_corpus(
         raise DataError(f"no language folder in {root} holds a non-empty .txt/.jsonl(.gz) file; "
                         "expected DIR/<lang>/*.txt (one document per line).")
     return out, stats
+
+
+# Byte-order marks of the encodings decoded besides UTF-8, longest first (UTF-32-LE's mark
+# starts with UTF-16-LE's). The codecs named here read the mark and the byte order from it.
+_BOMS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"),
+         (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))
+
+
+def _not_text(err: UnicodeDecodeError) -> tuple[str, int]:
+    # A lone surrogate or an odd trailing byte: replaced by a lone surrogate, which makes the
+    # line fail UTF-8 decoding below, so it is skipped and counted like any other bad line.
+    return "\udcff", err.end
+
+
+codecs.register_error("megatron_rembert.not_text", _not_text)
+
+
+class _Utf8Lines:
+    """A UTF-16/UTF-32 stream read as UTF-8 lines (bytes), CRLF and CR turned into LF.
+    `readline(limit)` counts characters here, not bytes."""
+
+    def __init__(self, f, encoding: str):
+        self.text = io.TextIOWrapper(f, encoding=encoding, errors="megatron_rembert.not_text",
+                                     newline=None)
+
+    def readline(self, limit: int) -> bytes:
+        return self.text.readline(limit).encode("utf-8", "surrogatepass")
+
+
+def _byte_order_mark_encoding(f) -> str | None:
+    head = f.peek(4)[:4]
+    return next((enc for bom, enc in _BOMS if head.startswith(bom)), None)
 
 
 def _read_lines(f, max_line_bytes: int) -> Iterator[bytes | None]:
@@ -176,6 +252,9 @@ def iter_documents(
         raise DataError(f"cannot open {cf.path}: {e}") from e
     try:
         f = gzip.GzipFile(fileobj=raw, mode="rb") if cf.gz else raw
+        encoding = _byte_order_mark_encoding(f)
+        if encoding is not None:
+            f = _Utf8Lines(f, encoding)
         for n, line in enumerate(_read_lines(f, max_line_bytes)):
             if on_progress is not None and n % 1024 == 0:
                 on_progress(raw.tell())
@@ -201,6 +280,11 @@ def iter_documents(
                     stats.bad_json_lines += 1
                     continue
                 text = obj["text"]
+                try:  # JSON may escape a lone surrogate ("\ud800"), which is no text
+                    text.encode("utf-8")
+                except UnicodeEncodeError:
+                    stats.bad_utf8_lines += 1
+                    continue
             text = text.lstrip("\ufeff").strip()
             if not text:
                 stats.blank_lines += 1

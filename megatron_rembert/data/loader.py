@@ -4,6 +4,10 @@ Every micro-batch is a pure function of its number (sample indices from the samp
 from (seed, sample index)), so workers can build them in any order and the loader hands them
 out in order; the result does not depend on `num_workers`.
 
+A batch is handed out only once the background sha256 checks of the shards it read have
+passed (`ShardDataset.wait_verified`, in the training process); every token id is checked
+against the vocabulary when the rows are read (`ShardDataset.get`, in the workers).
+
 Yielded batches are dicts (see `masking.mask_batch` and `masking.BATCH_DTYPES`): `input_ids`,
 `attention_mask`, `token_type_ids`, `masked_positions`, `masked_labels` int64 and
 `masked_weights` float32, as
@@ -56,6 +60,11 @@ class TrainBatches:
         lang, row = self.sampler(idx)
         return mask_batch(self.dataset.get(lang, row), idx, self.masking, self.word_starts)
 
+    def ready(self, j: int) -> None:
+        """Return once the shards micro-batch j reads have passed their sha256 checks."""
+        if self.dataset.verifying:
+            self.dataset.wait_verified(*self.sampler(self.indices(j)))
+
 
 class ValidBatches:
     """The validation split in manifest order, micro-batch j of this rank. Global validation
@@ -71,11 +80,20 @@ class ValidBatches:
         self.row_of = np.concatenate([np.arange(c) for c in counts]) if counts else np.zeros(0)
         self.num_batches = len(self.lang_of) // (micro_batch_size * dp_size)
 
-    def __call__(self, j: int) -> dict[str, np.ndarray]:
+    def indices(self, j: int) -> np.ndarray:
         start = (j * self.dp + self.r) * self.m
-        idx = np.arange(start, start + self.m)
+        return np.arange(start, start + self.m)
+
+    def __call__(self, j: int) -> dict[str, np.ndarray]:
+        idx = self.indices(j)
         ids = self.dataset.get(self.lang_of[idx], self.row_of[idx])
         return mask_batch(ids, idx, self.masking, self.word_starts)
+
+    def ready(self, j: int) -> None:
+        """Return once the shards micro-batch j reads have passed their sha256 checks."""
+        if self.dataset.verifying:
+            idx = self.indices(j)
+            self.dataset.wait_verified(self.lang_of[idx], self.row_of[idx])
 
 
 _MAKE = None
@@ -115,7 +133,11 @@ def iterate_batches(make, start: int = 0, stop: int | None = None, num_workers: 
                     mp_context: str = "spawn") -> Iterator[dict]:
     """Yield make(start), make(start+1), ... (until `stop`, or forever), built by
     `num_workers` processes (0: in this process) with up to `prefetch` batches per worker in
-    flight. "spawn" by default: safe after CUDA and threads are up in the trainer."""
+    flight. "spawn" by default: safe after CUDA and threads are up in the trainer.
+
+    If `make` has a `ready(j)` method, it is called here, in the calling process, before
+    batch j is yielded (the loaders hold a batch there until its shards' checksums passed)."""
+    ready = getattr(make, "ready", None)
     numbers = range(start, stop) if stop is not None else _count(start)
     pool = None
     if num_workers > 0:
@@ -128,7 +150,9 @@ def iterate_batches(make, start: int = 0, stop: int | None = None, num_workers: 
             return _Now(make(j))
     try:
         in_flight = max(1, prefetch * max(num_workers, 1))
-        for _, batch in ordered_map(submit, numbers, in_flight):
+        for j, batch in ordered_map(submit, numbers, in_flight):
+            if ready is not None:
+                ready(j)
             yield _to_torch(batch) if return_tensors == "pt" else batch
     finally:
         if pool is not None:
@@ -149,7 +173,8 @@ def _to_torch(batch: dict[str, np.ndarray]) -> dict:
 
 def _setup(data_dir, split, tokenizer_sha256, seq_length, vocab_size, seed, mask_prob,
            whole_word_mask, max_predictions):
-    ds = ShardDataset(data_dir, split, tokenizer_sha256=tokenizer_sha256, seq_length=seq_length)
+    ds = ShardDataset(data_dir, split, tokenizer_sha256=tokenizer_sha256, seq_length=seq_length,
+                      verify_in_background=True)
     if vocab_size is not None and vocab_size != ds.vocab_size:
         raise DataError(f"{data_dir}: tokenizer vocabulary has {ds.vocab_size} pieces, the run "
                         f"says vocab_size={vocab_size} (before padding); they must match.")

@@ -4,13 +4,25 @@ A dataset folder holds `manifest.json`, `word_starts.npy` and `<split>/<lang>/*.
 IPC files (uncompressed, one record batch each) with columns `input_ids` (fixed-size list of
 int32, length = sequence length) and `lang` (string). The manifest is written last, atomically,
 so a folder without one is unfinished; the reader opens only the shards the manifest lists and
-checks each one's size, schema and row count against it (`verify_checksums` adds sha256).
+checks each one's size, schema and row count against it.
+
+What the reader checks when (docs/data.md, "What is checked when"):
+- on construction: every shard the manifest lists, in both splits, exists with its recorded
+  size; this split's shards open with the expected schema and row count;
+- with `verify_in_background=True`: each shard's sha256, hashed once per process by a
+  background thread, this split's shards first, then the other's (`wait_verified` holds the
+  rows of a shard until its check has passed);
+  `verify_checksums=True` hashes them all in the constructor instead;
+- on every `get`: each token id is in [0, vocab_size).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import queue
+import threading
+from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
@@ -77,6 +89,75 @@ def check_manifest(manifest: dict, path: str | os.PathLike, tokenizer_sha256: st
                         f"re-run preprocess.py with --seq-length {seq_length}.")
 
 
+def check_shard_files(data_dir: Path, entries: list[dict]) -> None:
+    """Raise DataError naming the first shard in `entries` that is missing or not the size the
+    manifest records. Costs one stat per shard: run at start-up for both splits, so that a
+    missing validation shard is not found at the first validation, hours in."""
+    for entry in entries:
+        path = data_dir / entry["file"]
+        if not path.is_file():
+            raise DataError(f"shard {path} listed in the manifest is missing; restore it or "
+                            "re-run preprocess.py into a new folder.")
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            raise DataError(f"shard {path} has {size} bytes, the manifest says "
+                            f"{entry['bytes']} (truncated or modified); re-create it with "
+                            "preprocess.py.")
+
+
+def check_sha256(path: Path, expected: str) -> None:
+    """Hash `path` and raise DataError naming it if the digest is not `expected`."""
+    try:
+        got = sha256_file(path)
+    except OSError as e:
+        raise DataError(f"shard {path} cannot be read to check its sha256: {e}") from e
+    if got != expected:
+        raise DataError(f"shard {path}: sha256 differs from the manifest (modified or corrupt); "
+                        "re-create it with preprocess.py.")
+
+
+class _BackgroundChecksums:
+    """One daemon thread per process that hashes shards in the order asked, each path once.
+
+    hashlib and file reads release the GIL, so the training thread keeps running. A daemon
+    thread, not a ThreadPoolExecutor: the executor would finish every queued hash before the
+    process could exit, even after an error."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._futures: dict[tuple, Future] = {}
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, path: Path, sha256: str) -> Future:
+        """A Future that completes when `path` has been hashed: result None if the digest is
+        `sha256`, else the DataError naming the file."""
+        stat = path.stat()  # a file rewritten since (same path) is hashed again
+        key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, sha256)
+        with self._lock:
+            if key not in self._futures:
+                self._futures[key] = Future()
+                self._queue.put((path, sha256, self._futures[key]))
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._work, name="shard-sha256",
+                                                    daemon=True)
+                    self._thread.start()
+            return self._futures[key]
+
+    def _work(self) -> None:
+        while True:
+            path, sha256, future = self._queue.get()
+            try:
+                check_sha256(path, sha256)
+            except Exception as e:  # noqa: BLE001 - any failure goes to the waiting loader,
+                future.set_exception(e)  # which would otherwise wait forever
+            else:
+                future.set_result(None)
+
+
+CHECKSUMS = _BackgroundChecksums()
+
+
 def open_shard(path: Path, entry: dict, seq_length: int) -> np.ndarray:
     """Memory-map one shard and return its ids as a zero-copy [rows, S] int32 view."""
     if not path.is_file():
@@ -105,11 +186,12 @@ def open_shard(path: Path, entry: dict, seq_length: int) -> np.ndarray:
 class ShardDataset:
     """The rows of one split, grouped by language, memory-mapped on first use.
 
-    Picklable: worker processes re-open the files themselves (the maps are not copied)."""
+    Picklable: worker processes re-open the files themselves (the maps are not copied); the
+    background sha256 checks stay with the process that created the dataset."""
 
     def __init__(self, data_dir: str | os.PathLike, split: str = "train",
                  tokenizer_sha256: str | None = None, seq_length: int | None = None,
-                 verify_checksums: bool = False):
+                 verify_checksums: bool = False, verify_in_background: bool = False):
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
         self.data_dir = Path(data_dir)
@@ -127,11 +209,23 @@ class ShardDataset:
                                   for lang, es in self._entries.items()}
         self.tokens_per_language = {lang: sum(s["tokens"] for s in es)
                                     for lang, es in self._entries.items()}
+        check_shard_files(self.data_dir, self.manifest["shards"])  # both splits
+        # Shard k of this split in `languages` order; rows of language i live in shards
+        # first_shard[i], first_shard[i] + 1, ...
+        self._files = [self.data_dir / s["file"] for lang in self.languages
+                       for s in self._entries[lang]]
+        self._first_shard = np.cumsum([0] + [len(self._entries[x]) for x in self.languages])
         if verify_checksums:
             for s in entries:
-                if sha256_file(self.data_dir / s["file"]) != s["sha256"]:
-                    raise DataError(f"shard {self.data_dir / s['file']}: sha256 differs from the "
-                                    "manifest (modified or corrupt); re-create it.")
+                check_sha256(self.data_dir / s["file"], s["sha256"])
+        self._checks: list[Future] | None = None
+        if verify_in_background:
+            self._checks = [CHECKSUMS.submit(self.data_dir / s["file"], s["sha256"])
+                            for lang in self.languages for s in self._entries[lang]]
+            # The other split next, so that its reader finds them done (each file once).
+            for s in self.manifest["shards"]:
+                if s["split"] != split:
+                    CHECKSUMS.submit(self.data_dir / s["file"], s["sha256"])
         self._arrays: dict[str, list[np.ndarray]] | None = None
         self._open()  # fail now, in the main process, rather than in a loader worker
 
@@ -144,7 +238,40 @@ class ShardDataset:
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["_arrays"] = None
+        state["_checks"] = None  # Futures of this process's checksum thread
         return state
+
+    def shard_numbers(self, lang_idx: np.ndarray, row_idx: np.ndarray) -> np.ndarray:
+        """Shard k (an index into this split's shards) holding each (language, row) pair."""
+        if self._arrays is None:
+            self._open()
+        out = np.empty(len(lang_idx), dtype=np.int64)
+        for li in np.unique(lang_idx).tolist():
+            sel = lang_idx == li
+            offsets = self._offsets[self.languages[li]]
+            out[sel] = self._first_shard[li] + np.searchsorted(offsets, row_idx[sel], "right") - 1
+        return out
+
+    @property
+    def verifying(self) -> bool:
+        """True while background sha256 checks of this split are pending (or failed)."""
+        return self._checks is not None
+
+    def wait_verified(self, lang_idx: np.ndarray, row_idx: np.ndarray) -> None:
+        """Block until the background sha256 checks of the shards holding these rows have
+        passed; raise the DataError naming the file if any check of this split has failed.
+        A no-op without `verify_in_background` (and in loader workers)."""
+        if self._checks is None:
+            return
+        for future in self._checks:
+            if future.done() and future.exception() is not None:
+                raise future.exception()
+        for k in np.unique(self.shard_numbers(lang_idx, row_idx)).tolist():
+            self._checks[k].result()
+        if all(f.done() for f in self._checks):
+            for future in self._checks:
+                future.result()  # a check that failed since the loop above
+            self._checks = None  # every shard verified: nothing left to wait for
 
     def word_starts(self) -> np.ndarray:
         """[V] bool table for whole-word masking, written by preprocess.py."""
@@ -169,7 +296,20 @@ class ShardDataset:
             lang = self.languages[li]
             s = int(np.searchsorted(self._offsets[lang], ri, side="right")) - 1
             out[k] = self._arrays[lang][s][ri - self._offsets[lang][s]]
+        # One pass: as unsigned, a negative id is also >= vocab_size.
+        if out.size and out.view(np.uint32).max() >= self.vocab_size:
+            self._raise_out_of_range(out, lang_idx, row_idx)
         return out
+
+    def _raise_out_of_range(self, out: np.ndarray, lang_idx: np.ndarray,
+                            row_idx: np.ndarray) -> None:
+        k, position = np.argwhere(out.view(np.uint32) >= self.vocab_size)[0].tolist()
+        shard = int(self.shard_numbers(lang_idx[k:k + 1], row_idx[k:k + 1])[0])
+        lang = self.languages[int(lang_idx[k])]
+        row = int(row_idx[k]) - int(self._offsets[lang][shard - self._first_shard[lang_idx[k]]])
+        raise DataError(f"shard {self._files[shard]} row {row}: token id {out[k, position]} at "
+                        f"position {position} is outside the vocabulary [0, {self.vocab_size}) "
+                        "(corrupt, or from another dataset); re-create it with preprocess.py.")
 
     def __len__(self) -> int:
         return sum(self.rows_per_language.values())

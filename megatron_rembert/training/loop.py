@@ -80,7 +80,10 @@ def check_inputs(config: Config, world_size: int, device: torch.device
         if not Path(data.tokenizer).is_file():
             raise ConfigError(f"data.tokenizer={data.tokenizer}: no such file")
         sha = sha256_file(data.tokenizer)
-    dataset = ShardDataset(data.path, "train", tokenizer_sha256=sha, seq_length=data.seq_length)
+    # Starts hashing the shards in a background thread while the model is built (the loader
+    # waits for the checks of the shards each batch reads).
+    dataset = ShardDataset(data.path, "train", tokenizer_sha256=sha, seq_length=data.seq_length,
+                           verify_in_background=True)
     if data.whole_word_mask:
         dataset.word_starts()  # read (and checked) now, not after the model is built
     if dataset.vocab_size != config.model.vocab_size:

@@ -3,8 +3,12 @@ built once per test session in a temp folder."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
 import pytest
 
 from megatron_rembert.data.demo_corpus import make_demo_corpus
@@ -40,3 +44,23 @@ def dataset(corpus, tokenizer, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ds")
     preprocess(small_config(corpus, out, tokenizer))
     return out
+
+
+def shard_entries(data_dir: Path, split: str = "train") -> list[dict]:
+    manifest = json.loads((data_dir / "manifest.json").read_text())
+    return [s for s in manifest["shards"] if s["split"] == split]
+
+
+def set_token(shard: Path, row: int, position: int, value: int | Callable[[int], int]) -> None:
+    """Overwrite one token id in a shard file in place, with `value` or `value(old id)`. The
+    size stays: only the checksum, or the range check, can tell."""
+    data = bytearray(shard.read_bytes())
+    reader = pa.ipc.open_file(pa.BufferReader(bytes(data)))
+    ids = reader.get_batch(0).column(0).values.to_numpy().reshape(-1, SEQ)
+    start = bytes(data).find(ids[row].tobytes())  # where the row's int32s lie in the file
+    assert start >= 0 and bytes(data).count(ids[row].tobytes()) == 1
+    offset = start + 4 * position
+    if callable(value):
+        value = value(int(np.frombuffer(data[offset:offset + 4], np.int32)[0]))
+    data[offset:offset + 4] = np.int32(value).tobytes()
+    shard.write_bytes(bytes(data))

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from megatron_rembert.data.common import DataError
-from megatron_rembert.data.corpus import discover_corpus
+from megatron_rembert.data.corpus import discover_corpus, iter_documents
 from megatron_rembert.data.preprocess import preprocess
 from megatron_rembert.data.tokenizer import train_tokenizer
 from tests.data.conftest import small_config
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _write(path, data: bytes) -> None:
@@ -120,3 +127,47 @@ def test_unreadable_file_names_it(tmp_path, tokenizer, monkeypatch):
 def test_missing_tokenizer(tmp_path, corpus):
     with pytest.raises(DataError, match="not found"):
         preprocess(small_config(corpus, tmp_path / "out", tmp_path / "none.model"))
+
+
+def test_encodings_links_and_odd_names_are_read_or_skipped(tmp_path, tokenizer):
+    c = tmp_path / "c"
+    lines = ["da kepuga muhebova ha votuzu.", "te rateri gavava ha liri votuzu."]
+    windows = "\r\n".join(lines) + "\r\n"  # Notepad's "Unicode": UTF-16-LE, BOM, CRLF
+    _write(c / "aa" / "notepad.txt", windows.encode("utf-16"))
+    _write(c / "aa" / "big32.txt", codecs.BOM_UTF32_BE + windows.encode("utf-32-be"))
+    _write(c / "aa" / "surrogate16.txt", codecs.BOM_UTF16_LE + "ok one\n".encode("utf-16-le")
+           + b"\x00\xd8" + "lone\n".encode("utf-16-le") + "ok two\n".encode("utf-16-le"))
+    _write(c / "bb" / "b.jsonl", b'{"text": "fine"}\n{"text": "bad \\ud800 escape"}\n')
+    _write(c / "bb" / os.fsdecode(b"caf\xe9.txt"), b"latin-1 name\n")  # not UTF-8
+    _write(tmp_path / "elsewhere" / "linked.txt", b"through a link\n")
+    (c / "bb" / "sub").symlink_to(tmp_path / "elsewhere")  # followed
+    (c / "bb" / "loop").symlink_to(c / "bb")  # a loop: skipped, listed
+    (c / "bb" / "gone.txt").symlink_to(tmp_path / "nothing.txt")  # dangling: skipped, listed
+
+    files, stats = discover_corpus(c)
+    docs = {cf.rel: [t for _, t in iter_documents(cf, stats)] for fs in files.values()
+            for cf in fs}
+    assert docs == {"aa/big32.txt": lines, "aa/notepad.txt": lines,
+                    "aa/surrogate16.txt": ["ok one", "ok two"], "bb/b.jsonl": ["fine"],
+                    "bb/caf\\xe9.txt": ["latin-1 name"], "bb/sub/linked.txt": ["through a link"]}
+    assert stats.bad_utf8_lines == 2 and sorted(stats.skipped_links) == ["bb/gone.txt", "bb/loop"]
+
+    m = preprocess(small_config(c, tmp_path / "out", tokenizer, workers=0, valid_fraction=0.0))
+    assert m["skipped"]["bad_utf8_lines"] == 2 and len(m["skipped"]["skipped_links"]) == 2
+    assert m["languages"]["aa"]["documents"] == 6 and m["languages"]["bb"]["documents"] == 3
+
+
+def test_tools_exit_2_on_bad_input(tmp_path, tokenizer):
+    """docs/data.md: errors exit with code 2 and one line naming the path."""
+    missing = str(tmp_path / "missing")
+    for tool, args in (
+        ("preprocess", ["--corpus", missing, "--tokenizer", str(tokenizer), "--out",
+                        str(tmp_path / "out")]),
+        ("train_tokenizer", ["--corpus", missing, "--out", str(tmp_path / "spm")]),
+        ("merge_datasets", [missing, "--out", str(tmp_path / "merged")]),
+    ):
+        r = subprocess.run([sys.executable, f"data_tools/{tool}.py", *args],
+                           cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2, (tool, r.stderr)
+        assert r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, r.stderr
+        assert missing in r.stderr

@@ -1,15 +1,20 @@
 """The loader: DP ranks split each global batch, results independent of worker count, exact
-resume from consumed_samples, validation iterator, torch output types."""
+resume from consumed_samples, validation iterator, torch output types, shard checksums."""
 
 from __future__ import annotations
+
+import shutil
+import threading
 
 import numpy as np
 import pytest
 import torch
 
+from megatron_rembert.data import shards
 from megatron_rembert.data.common import DataError
 from megatron_rembert.data.loader import build_pretraining_loader, build_validation_loader
 from megatron_rembert.data.masking import BATCH_DTYPES
+from tests.data.conftest import set_token, shard_entries
 
 
 def _take(data_dir, n, **kw):
@@ -63,3 +68,34 @@ def test_validation_loader(dataset):
                                          seed=3, return_tensors="np"))
     np.testing.assert_array_equal(a[0]["input_ids"], again[0]["input_ids"])
     assert not np.array_equal(a[0]["input_ids"], b[0]["input_ids"])
+
+
+def flip_one_token_per_shard(data_dir, split: str = "train") -> None:
+    """A changed token id in every shard of `split`, still inside the vocabulary: only the
+    manifest's sha256 can tell."""
+    for entry in shard_entries(data_dir, split):
+        set_token(data_dir / entry["file"], row=0, position=1, value=lambda old: old ^ 1)
+
+
+def test_shard_checksums_checked_off_thread_before_use(dataset, tmp_path, monkeypatch):
+    copy = tmp_path / "ds"
+    shutil.copytree(dataset, copy)
+    flip_one_token_per_shard(copy)
+    hashed = []  # (thread, file name)
+    real = shards.sha256_file
+
+    def sha256_file(path):
+        hashed.append((threading.current_thread().name, path.name))
+        return real(path)
+
+    monkeypatch.setattr(shards, "sha256_file", sha256_file)
+    loader = build_pretraining_loader(str(copy), None, 64, 2, 8, num_workers=0)
+    # The first micro-batch is held back: no sample of a shard that fails reaches the trainer.
+    with pytest.raises(DataError, match=r"train-\d+\.arrow: sha256 differs from the manifest"):
+        next(loader)
+    # Sound validation shards pass; each file is hashed once per process, off this thread.
+    for _ in range(2):
+        assert len(list(build_validation_loader(str(copy), None, 64, 2, return_tensors="np")))
+    assert {thread for thread, _ in hashed} == {"shard-sha256"}
+    names = [name for _, name in hashed]
+    assert len(names) == len(set(names)) and any("-valid-" in name for name in names)

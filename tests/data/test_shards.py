@@ -14,6 +14,7 @@ import pytest
 from megatron_rembert.data.common import DataError, sha256_file
 from megatron_rembert.data.inspection import verify
 from megatron_rembert.data.shards import ShardDataset
+from tests.data.conftest import set_token, shard_entries
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -91,3 +92,33 @@ def test_out_of_range_ids_are_reported(copy):
     m["tokenizer"]["vocab_size"] = 10  # every real token is now out of range
     (copy / "manifest.json").write_text(json.dumps(m))
     assert any("outside [0, 10)" in p for p in verify(copy))
+
+
+def test_every_shard_of_both_splits_is_checked_at_start_up(copy):
+    """The training split's reader also checks the validation shards (one stat each), so a
+    missing one is found before the model is built, not at the first validation."""
+    valid = [copy / e["file"] for e in shard_entries(copy, "valid")]
+    data = valid[0].read_bytes()
+    valid[0].write_bytes(data[:-8])
+    with pytest.raises(DataError, match=rf"{valid[0].name} has {len(data) - 8} bytes"):
+        ShardDataset(copy, "train")
+    valid[0].write_bytes(data)
+    valid[-1].unlink()
+    with pytest.raises(DataError, match=rf"{valid[-1].name} listed in the manifest is missing"):
+        ShardDataset(copy, "train")
+
+
+def test_out_of_range_token_names_shard_and_row(copy):
+    entry = shard_entries(copy)[0]  # the first shard of its language
+    shard = copy / entry["file"]
+    bad = (1 << 30) + 17  # a flipped high bit
+    set_token(shard, row=3, position=5, value=bad)
+    ds = ShardDataset(copy)
+    lang = np.full(2, ds.languages.index(entry["language"]))
+    assert ds.get(lang, np.array([0, 2])).shape == (2, 64)  # other rows read fine
+    with pytest.raises(DataError, match=rf"{shard.name} row 3: token id {bad} at position 5 "
+                                        r"is outside the vocabulary \[0, 1000\)"):
+        ds.get(lang, np.array([0, 3]))
+    set_token(shard, row=3, position=5, value=-1)
+    with pytest.raises(DataError, match=rf"{shard.name} row 3: token id -1"):
+        ds.get(lang, np.array([3, 0]))
