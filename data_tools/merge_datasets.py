@@ -19,7 +19,7 @@ import _path  # noqa: F401
 
 from megatron_rembert.data.common import DataError, atomic_write_json
 from megatron_rembert.data.shards import MANIFEST, read_manifest
-from megatron_rembert.paths import is_inside, unwritable_reason
+from megatron_rembert.paths import is_inside, unwritable_reason, write_failure
 
 # Manifest keys that must agree between parts: they describe how every shard was made.
 SAME = ("schema_version", "tokenizer", "seq_length", "special_ids", "word_starts",
@@ -115,6 +115,9 @@ def main() -> None:
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)  # bad input (docs/data.md)
+    except OSError as e:  # the file system failed while writing: nothing committed is damaged
+        print(f"error: {write_failure(e)}; free space and rerun the same command", file=sys.stderr)
+        sys.exit(1)
     print(f"merged {len(a.parts)} part(s): {len(manifest['languages'])} languages, "
           f"{len(manifest['shards'])} shards -> {a.out}/{MANIFEST}")
 

@@ -17,7 +17,7 @@ from megatron_rembert.data.common import DataError
 from megatron_rembert.data.corpus import DEFAULT_MAX_LINE_BYTES, SKIPPED_VS_ERRORS
 from megatron_rembert.data.inspection import summary_table
 from megatron_rembert.data.preprocess import PreprocessConfig, preprocess
-from megatron_rembert.paths import is_inside, unwritable_reason
+from megatron_rembert.paths import is_inside, unwritable_reason, write_failure
 
 
 def main() -> None:
@@ -55,6 +55,10 @@ def main() -> None:
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)  # bad input (docs/data.md)
+    except OSError as e:  # the file system failed while writing: nothing committed is damaged
+        print(f"error: {write_failure(e)}; free space and rerun the same command: it resumes",
+              file=sys.stderr)
+        sys.exit(1)
     print(summary_table(manifest, a.alpha))
     skipped = {k: v for k, v in manifest["skipped"].items() if v}
     print(f"skipped input: {skipped or 'nothing'}")

@@ -17,7 +17,7 @@ import _path  # noqa: F401
 from megatron_rembert.data.common import DataError
 from megatron_rembert.data.corpus import DEFAULT_MAX_LINE_BYTES, SKIPPED_VS_ERRORS
 from megatron_rembert.data.tokenizer import train_tokenizer
-from megatron_rembert.paths import unwritable_reason
+from megatron_rembert.paths import unwritable_reason, write_failure
 
 
 def main() -> None:
@@ -50,6 +50,9 @@ def main() -> None:
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)  # bad input (docs/data.md)
+    except OSError as e:  # the file system failed while writing: nothing committed is damaged
+        print(f"error: {write_failure(e)}; free space and rerun the same command", file=sys.stderr)
+        sys.exit(1)
     print(f"wrote {a.out}.model ({info['vocab_size']:,} pieces, sha256 {info['sha256']})")
     for lang, v in info["languages"].items():
         print(f"{lang:10s} chunks {v['chunks']:>10,}  sampled {v['sampled']:>10,}  "

@@ -31,3 +31,9 @@ def is_inside(path: str | os.PathLike, folder: str | os.PathLike) -> bool:
     """`path` is `folder` or lies under it (symlinks resolved)."""
     path, folder = Path(path).resolve(), Path(folder).resolve()
     return path == folder or folder in path.parents
+
+
+def write_failure(err: OSError) -> str:
+    """One line for a file-system failure while writing (full disk, read-only, lost mount)."""
+    where = f"{err.filename}: " if err.filename else ""
+    return f"{where}{err.strerror or err}"

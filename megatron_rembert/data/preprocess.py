@@ -229,7 +229,7 @@ def _prepare_output(cfg: PreprocessConfig, settings: dict) -> Path:
             old = json.loads(settings_path.read_text())
             diff = sorted(k for k in settings if old.get(k) != settings[k])
             raise DataError(f"{out} holds a dataset made with other settings ({', '.join(diff)} "
-                            "differ); pass a new --output folder, or --overwrite to replace it.")
+                            "differ); pass a new --out folder, or --overwrite to replace it.")
         for name in ("train", "valid", ".progress", MANIFEST, WORD_STARTS):
             p = out / name
             shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)

@@ -138,3 +138,49 @@ def test_other_settings_need_overwrite(corpus, tokenizer, tmp_path):
                                 seq_length=32, overwrite=True))
     assert m["seq_length"] == 32
     assert all(os.path.exists(tmp_path / "out" / s["file"]) for s in m["shards"])
+
+
+def test_full_disk_is_one_line_and_a_rerun_resumes(corpus, tokenizer, tmp_path, monkeypatch,
+                                                   capsys):
+    """A full disk in the middle of preprocessing: data_tools/preprocess.py prints one `error:`
+    line naming the file (exit 1, no traceback); the same command rerun finishes with exactly
+    the dataset of an uninterrupted run."""
+    import errno
+    import importlib.util
+
+    sys.path.insert(0, str(ROOT / "data_tools"))  # the tool's own `import _path`
+    spec = importlib.util.spec_from_file_location("_preprocess_tool",
+                                                  ROOT / "data_tools" / "preprocess.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+
+    def run(out):
+        argv = ["preprocess.py", "--corpus", str(corpus), "--tokenizer", str(tokenizer),
+                "--out", str(out), "--seq-length", "64", "--workers", "0",
+                "--shard-size-mb", "0.02", "--languages", "cyrl", "grek", "--no-progress"]
+        monkeypatch.setattr(sys, "argv", argv)
+        tool.main()
+
+    run(tmp_path / "ref")
+    reference = json.loads((tmp_path / "ref" / "manifest.json").read_text())
+    real_write, writes = common.atomic_write, []
+
+    def write(path, fn, binary=True):
+        writes.append(path)
+        if len(writes) == 4:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real_write(path, fn, binary)
+
+    for module in (common, shards, preprocess_mod):
+        monkeypatch.setattr(module, "atomic_write", write)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as done:
+        run(tmp_path / "out")
+    err = capsys.readouterr().err
+    assert done.value.code == 1
+    assert err.count("error:") == 1 and "Traceback" not in err, err
+    assert f"{writes[3]}: No space left on device" in err, err
+    for module in (common, shards, preprocess_mod):
+        monkeypatch.setattr(module, "atomic_write", real_write)
+    run(tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text()) == reference
