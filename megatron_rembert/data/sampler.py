@@ -33,7 +33,9 @@ def rng_for(*words: int) -> np.random.Generator:
 
 
 def language_weights(tokens: list[int], alpha: float) -> np.ndarray:
-    """[L] float64, sums to 1; a language without tokens gets weight 0."""
+    """[L] float64, p_l = n_l^alpha / sum_k n_k^alpha (alpha=1: proportional, alpha=0:
+    uniform), sums to 1; a language with n_l = 0 gets weight 0. The one definition, for the
+    sampler, the tokenizer's training sample and the dataset summary."""
     t = np.asarray(tokens, dtype=np.float64)
     if (t <= 0).all():
         raise DataError("no language has any training tokens; check the dataset's manifest.")
