@@ -37,8 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             from megatron_rembert.training.estimate import dry_run_report
 
-            world = args.world_size or config.parallel.tp * config.parallel.pp
-            print(dry_run_report(config, world))
+            print(dry_run_report(config, args.world_size))
             return 0
         from megatron_rembert.training.loop import train
 

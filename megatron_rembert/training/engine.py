@@ -28,6 +28,7 @@ from megatron_rembert.model.pipeline import (
 from megatron_rembert.model.rembert import RemBertForPreTraining
 from megatron_rembert.parallel import comm, state
 from megatron_rembert.parallel.layers import init_weights, is_tp_sharded
+from megatron_rembert.parallel.layout import Layout
 from megatron_rembert.parallel.random import checkpoint_safe
 from megatron_rembert.training.config import Config
 from megatron_rembert.training.hang import POSITION
@@ -76,7 +77,7 @@ def _recompute(function, *args):
     return checkpoint(checkpoint_safe(function), *args, use_reentrant=False)
 
 
-def _build_pipeline(config: Config, dp: int):
+def _build_pipeline(config: Config, layout: Layout):
     from deepspeed.pipe import LayerSpec, PipelineModule
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
@@ -88,8 +89,7 @@ def _build_pipeline(config: Config, dp: int):
         def _count_layer_params(self):
             return list(costs)
 
-    topology = PipeModelDataParallelTopology(num_pp=config.parallel.pp, num_mp=config.parallel.tp,
-                                             num_dp=dp)
+    topology = PipeModelDataParallelTopology(num_pp=layout.pp, num_mp=layout.tp, num_dp=layout.dp)
     specs = [LayerSpec(cls, *args) for cls, args in pipeline_layer_builders(config.model)]
     module = RemBertPipelineModule(
         layers=specs, topology=topology, partition_method="parameters",
@@ -108,13 +108,13 @@ class Trainer:
     collective goes through `parallel.comm`.
     """
 
-    def __init__(self, config: Config, dp: int, device: torch.device):
+    def __init__(self, config: Config, layout: Layout, device: torch.device):
         import deepspeed
 
-        self.config, self.dp, self.device = config, dp, device
-        self.pipeline = config.parallel.pp > 1
+        self.config, self.layout, self.device = config, layout, device
+        self.pipeline = layout.pp > 1
         if self.pipeline:
-            model = _build_pipeline(config, dp)
+            model = _build_pipeline(config, layout)
         else:
             model = RemBertForPreTraining(config.model)
             model.init_weights(config.train.seed)
@@ -122,13 +122,13 @@ class Trainer:
         model.to(device)
         optimizer = build_optimizer(model, config)
         scheduler = build_scheduler(optimizer, config)
-        self.ds_config = deepspeed_config(config, dp)
+        self.ds_config = deepspeed_config(config, layout)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config,
             mpu=None if self.pipeline else state.DeepSpeedMPU())
         if isinstance(optimizer, Lamb) and self.optimizer is not optimizer:
             optimizer.use_flat_partitions(self.optimizer)
-        self.gas = self.engine.gradient_accumulation_steps()
+        self.gas = layout.gas
         self._stats = torch.zeros(3, device=device)  # [loss_sum, tokens, correct]
         self._loss_factor = torch.ones((), device=device)
         if self.pipeline:
@@ -157,7 +157,7 @@ class Trainer:
         local = sum(float(mb["masked_weights"].sum()) for mb in micro_batches)  # CPU tensors
         tokens = comm.all_reduce(torch.tensor(local, dtype=torch.float32, device=self.device),
                                  group=state.get_state().dp_group)
-        self._loss_factor = (self.gas * self.dp) / tokens.clamp(min=1.0)
+        self._loss_factor = (self.gas * self.layout.dp) / tokens.clamp(min=1.0)
         self._stats = torch.zeros(3, device=self.device)
         return [{k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
                 for mb in micro_batches]
