@@ -142,7 +142,8 @@ def deepspeed_step_time(config: ModelConfig, batches: list[dict]) -> float:
     import deepspeed
 
     from megatron_rembert.parallel import state
-    from megatron_rembert.training.config import Config, TrainConfig, validate_config
+    from megatron_rembert.parallel.layout import Layout
+    from megatron_rembert.training.config import Config, TrainConfig
     from megatron_rembert.training.engine import Trainer
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29591"),
@@ -152,7 +153,7 @@ def deepspeed_step_time(config: ModelConfig, batches: list[dict]) -> float:
     run = Config(model=config, train=TrainConfig(global_batch_size=b, micro_batch_size=b,
                                                   precision="fp32", seed=0))
     run.optim.lr, run.optim.warmup_steps, run.parallel.zero_stage = 1e-4, 1, 0
-    layout = validate_config(run, 1)
+    layout = Layout(micro_batch_size=b)  # one process, one micro-batch per step
     state.initialize_model_parallel(layout)
     trainer = Trainer(run, layout, device=torch.device("cpu"))
     return timed(lambda batch: trainer.train_step([batch]), batches, lambda: None)
