@@ -47,8 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             from megatron_rembert.training.estimate import dry_run_report
 
-            world = args.world_size or config.parallel.tp * config.parallel.pp
-            print(dry_run_report(config, world))
+            print(dry_run_report(config, args.world_size))
             return 0
         # Stop signals are remembered from here on: DeepSpeed and the model start later.
         stop = StopFlag()

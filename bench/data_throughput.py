@@ -37,11 +37,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
 from megatron_rembert.data.common import format_table  # noqa: E402
+from megatron_rembert.data.config import DataConfig  # noqa: E402
 from megatron_rembert.data.corpus import SkipStats, discover_corpus, iter_documents  # noqa: E402
 from megatron_rembert.data.demo_corpus import make_demo_corpus  # noqa: E402
 from megatron_rembert.data.loader import build_pretraining_loader  # noqa: E402
 from megatron_rembert.data.preprocess import PreprocessConfig, preprocess  # noqa: E402
 from megatron_rembert.data.tokenizer import load_sentencepiece, train_tokenizer  # noqa: E402
+from megatron_rembert.parallel.layout import Layout  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -108,8 +110,8 @@ def repeat(fn: Callable[[], float], n: int) -> list[float]:
 def loader_run(data: Path, args: argparse.Namespace, whole_word: bool) -> float:
     """Tokens/s of one fresh in-process loader over `args.batches` micro-batches."""
     it = build_pretraining_loader(
-        str(data), None, args.seq_length, args.micro_batch, args.micro_batch * 8,
-        seed=args.seed, whole_word_mask=whole_word, num_workers=0,
+        DataConfig(path=str(data), seq_length=args.seq_length, whole_word_mask=whole_word),
+        Layout(micro_batch_size=args.micro_batch, gas=8), seed=args.seed, num_workers=0,
         num_micro_batches=args.batches + 1)
     next(it)  # opens the manifest and the maps: a one-off, kept off the clock
     t, c = time.perf_counter(), time.process_time()

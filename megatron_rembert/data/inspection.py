@@ -8,15 +8,16 @@ from pathlib import Path
 import numpy as np
 
 from megatron_rembert.data.common import DataError, format_table, sha256_file
+from megatron_rembert.data.sampler import language_weights
 from megatron_rembert.data.shards import MANIFEST, ShardDataset, open_shard, read_manifest
-from megatron_rembert.data.tokenizer import language_probs
 
 
 def summary_table(manifest: dict, alpha: float = 0.5) -> str:
     """Per-language table: documents, rows, tokens, share, sampling probability at alpha."""
     langs = manifest["languages"]
     total = sum(v["train_tokens"] for v in langs.values()) or 1
-    probs = language_probs({k: v["train_tokens"] for k, v in langs.items()}, alpha)
+    probs = dict(zip(langs, language_weights([v["train_tokens"] for v in langs.values()],
+                                             alpha).tolist(), strict=True))
     rows = [[lang, v["documents"], v["train_rows"], v["valid_rows"], v["train_tokens"],
              f"{100 * v['train_tokens'] / total:.1f}%", f"{100 * probs[lang]:.1f}%"]
             for lang, v in sorted(langs.items())]

@@ -25,35 +25,30 @@ from collections.abc import Iterator
 import numpy as np
 
 from megatron_rembert.data.common import DataError, ordered_map
+from megatron_rembert.data.config import DataConfig
 from megatron_rembert.data.masking import MaskingConfig, default_max_predictions, mask_batch
-from megatron_rembert.data.sampler import (
-    MultilingualSampler,
-    check_batch_sizes,
-    rank_sample_indices,
-)
+from megatron_rembert.data.sampler import MultilingualSampler, rank_sample_indices
 from megatron_rembert.data.shards import ShardDataset
+from megatron_rembert.parallel.layout import Layout
 
 
 class TrainBatches:
     """Micro-batch j of this rank (j = 0, 1, ... from the resume point) -> batch dict."""
 
     def __init__(self, dataset: ShardDataset, sampler: MultilingualSampler, masking: MaskingConfig,
-                 word_starts, micro_batch_size: int, global_batch_size: int, dp_rank: int,
-                 dp_size: int, consumed_samples: int):
-        check_batch_sizes(global_batch_size, micro_batch_size, dp_size)
-        if consumed_samples % global_batch_size:
+                 word_starts, layout: Layout, consumed_samples: int):
+        if consumed_samples % layout.global_batch_size:
             raise DataError(f"consumed_samples {consumed_samples} is not a multiple of the global "
-                            f"batch size {global_batch_size}; resume with the global batch size "
-                            "the checkpoint was trained with.")
+                            f"batch size {layout.global_batch_size}; resume with the global batch "
+                            "size the checkpoint was trained with.")
         self.dataset, self.sampler, self.masking, self.word_starts = (
             dataset, sampler, masking, word_starts)
-        self.m, self.G, self.r, self.dp = micro_batch_size, global_batch_size, dp_rank, dp_size
-        self.first_step = consumed_samples // global_batch_size
-        self.micro_per_step = global_batch_size // (micro_batch_size * dp_size)
+        self.layout = layout
+        self.first_step = consumed_samples // layout.global_batch_size
 
     def indices(self, j: int) -> np.ndarray:
-        step, micro = divmod(j, self.micro_per_step)
-        return rank_sample_indices(self.first_step + step, micro, self.G, self.m, self.r, self.dp)
+        step, micro = divmod(j, self.layout.gas)
+        return rank_sample_indices(self.first_step + step, micro, self.layout)
 
     def __call__(self, j: int) -> dict[str, np.ndarray]:
         idx = self.indices(j)
@@ -72,13 +67,13 @@ class ValidBatches:
     incomplete global batch is dropped so that every rank sees the same number of batches."""
 
     def __init__(self, dataset: ShardDataset, masking: MaskingConfig, word_starts,
-                 micro_batch_size: int, dp_rank: int, dp_size: int):
+                 layout: Layout):
         self.dataset, self.masking, self.word_starts = dataset, masking, word_starts
-        self.m, self.r, self.dp = micro_batch_size, dp_rank, dp_size
+        self.m, self.r, self.dp = layout.micro_batch_size, layout.dp_rank, layout.dp
         counts = [dataset.rows_per_language[lang] for lang in dataset.languages]
         self.lang_of = np.repeat(np.arange(len(counts)), counts)
         self.row_of = np.concatenate([np.arange(c) for c in counts]) if counts else np.zeros(0)
-        self.num_batches = len(self.lang_of) // (micro_batch_size * dp_size)
+        self.num_batches = len(self.lang_of) // (self.m * self.dp)
 
     def indices(self, j: int) -> np.ndarray:
         start = (j * self.dp + self.r) * self.m
@@ -171,55 +166,48 @@ def _to_torch(batch: dict[str, np.ndarray]) -> dict:
     return {k: torch.from_numpy(v) for k, v in batch.items()}
 
 
-def _setup(data_dir, split, tokenizer_sha256, seq_length, vocab_size, seed, mask_prob,
-           whole_word_mask, max_predictions):
-    ds = ShardDataset(data_dir, split, tokenizer_sha256=tokenizer_sha256, seq_length=seq_length,
-                      verify_in_background=True)
-    if vocab_size is not None and vocab_size != ds.vocab_size:
-        raise DataError(f"{data_dir}: tokenizer vocabulary has {ds.vocab_size} pieces, the run "
-                        f"says vocab_size={vocab_size} (before padding); they must match.")
+def _setup(data: DataConfig, split: str, tokenizer_sha256: str | None, seed: int):
+    ds = ShardDataset(data.path, split, tokenizer_sha256=tokenizer_sha256,
+                      seq_length=data.seq_length, verify_in_background=True)
     masking = MaskingConfig(
-        vocab_size=ds.vocab_size, seed=seed, mask_prob=mask_prob, whole_word_mask=whole_word_mask,
-        max_predictions=max_predictions or default_max_predictions(ds.seq_length, mask_prob),
+        vocab_size=ds.vocab_size, seed=seed, mask_prob=data.mask_prob,
+        whole_word_mask=data.whole_word_mask,
+        max_predictions=(data.max_predictions
+                         or default_max_predictions(ds.seq_length, data.mask_prob)),
         special_ids=ds.special_ids)
-    return ds, masking, ds.word_starts() if whole_word_mask else None
+    return ds, masking, ds.word_starts() if data.whole_word_mask else None
 
 
 def build_pretraining_loader(
-    data_dir: str, tokenizer_sha256: str | None, seq_length: int, micro_batch_size: int,
-    global_batch_size: int, dp_rank: int = 0, dp_size: int = 1, seed: int = 1234,
-    consumed_samples: int = 0, alpha: float = 0.5, mask_prob: float = 0.15,
-    whole_word_mask: bool = False, vocab_size: int | None = None,
-    max_predictions: int | None = None, num_workers: int = 2, prefetch: int = 4,
+    data: DataConfig, layout: Layout, *, seed: int, tokenizer_sha256: str | None = None,
+    consumed_samples: int = 0, num_workers: int | None = None, prefetch: int = 4,
     return_tensors: str = "pt", num_micro_batches: int | None = None,
 ) -> Iterator[dict]:
-    """Endless micro-batches of this data-parallel rank, in order, starting at
-    `consumed_samples` (a multiple of `global_batch_size`). One optimizer step consumes
-    global_batch_size / (micro_batch_size * dp_size) of them.
+    """Endless micro-batches of this data-parallel rank (`layout.dp_rank`), in order, starting
+    at `consumed_samples` (a multiple of the global batch). One optimizer step consumes
+    `layout.gas` of them.
 
-    Special ids and the vocabulary size come from the dataset's manifest; `vocab_size`, when
-    given, is checked against it (the unpadded tokenizer size). P = `max_predictions`, default
-    `default_max_predictions(seq_length, mask_prob)`."""
-    ds, masking, ws = _setup(data_dir, "train", tokenizer_sha256, seq_length, vocab_size, seed,
-                             mask_prob, whole_word_mask, max_predictions)
+    Special ids and the vocabulary size come from the dataset's manifest (the trainer checks
+    them against the model before, in `training.loop.check_inputs`). P =
+    `data.max_predictions`, 0 for `default_max_predictions(seq_length, mask_prob)`.
+    `num_workers` defaults to `data.num_workers`; `num_micro_batches` (default: endless)
+    stops the stream."""
+    ds, masking, ws = _setup(data, "train", tokenizer_sha256, seed)
     sampler = MultilingualSampler([ds.rows_per_language[x] for x in ds.languages],
-                                  [ds.tokens_per_language[x] for x in ds.languages], alpha, seed)
-    make = TrainBatches(ds, sampler, masking, ws, micro_batch_size, global_batch_size, dp_rank,
-                        dp_size, consumed_samples)
-    return iterate_batches(make, 0, num_micro_batches, num_workers, prefetch, return_tensors)
+                                  [ds.tokens_per_language[x] for x in ds.languages], data.alpha,
+                                  seed)
+    make = TrainBatches(ds, sampler, masking, ws, layout, consumed_samples)
+    workers = data.num_workers if num_workers is None else num_workers
+    return iterate_batches(make, 0, num_micro_batches, workers, prefetch, return_tensors)
 
 
 def build_validation_loader(
-    data_dir: str, tokenizer_sha256: str | None, seq_length: int, micro_batch_size: int,
-    dp_rank: int = 0, dp_size: int = 1, seed: int = 1234, mask_prob: float = 0.15,
-    whole_word_mask: bool = False, vocab_size: int | None = None,
-    max_predictions: int | None = None, max_batches: int | None = None, num_workers: int = 0,
-    return_tensors: str = "pt",
+    data: DataConfig, layout: Layout, *, seed: int, tokenizer_sha256: str | None = None,
+    max_batches: int | None = None, num_workers: int = 0, return_tensors: str = "pt",
 ) -> Iterator[dict]:
     """One pass over the validation split (same masks every time for a given seed): the same
     number of micro-batches on every rank, at most `max_batches`."""
-    ds, masking, ws = _setup(data_dir, "valid", tokenizer_sha256, seq_length, vocab_size, seed,
-                             mask_prob, whole_word_mask, max_predictions)
-    make = ValidBatches(ds, masking, ws, micro_batch_size, dp_rank, dp_size)
+    ds, masking, ws = _setup(data, "valid", tokenizer_sha256, seed)
+    make = ValidBatches(ds, masking, ws, layout)
     n = make.num_batches if max_batches is None else min(max_batches, make.num_batches)
     return iterate_batches(make, 0, n, num_workers, 2, return_tensors)

@@ -26,6 +26,7 @@ from collections import OrderedDict
 import numpy as np
 
 from megatron_rembert.data.common import DataError
+from megatron_rembert.parallel.layout import Layout
 
 
 def rng_for(*words: int) -> np.random.Generator:
@@ -33,7 +34,9 @@ def rng_for(*words: int) -> np.random.Generator:
 
 
 def language_weights(tokens: list[int], alpha: float) -> np.ndarray:
-    """[L] float64, sums to 1; a language without tokens gets weight 0."""
+    """[L] float64, p_l = n_l^alpha / sum_k n_k^alpha (alpha=1: proportional, alpha=0:
+    uniform), sums to 1; a language with n_l = 0 gets weight 0. The one definition, for the
+    sampler, the tokenizer's training sample and the dataset summary."""
     t = np.asarray(tokens, dtype=np.float64)
     if (t <= 0).all():
         raise DataError("no language has any training tokens; check the dataset's manifest.")
@@ -171,21 +174,13 @@ def _feistel(x: np.ndarray, n: np.ndarray, keys: np.ndarray) -> np.ndarray:
     return out.astype(np.int64)
 
 
-def rank_sample_indices(step: int, micro_step: int, global_batch_size: int,
-                        micro_batch_size: int, dp_rank: int, dp_size: int) -> np.ndarray:
-    """Global indices of micro-batch `micro_step` of data-parallel rank `dp_rank` at `step`.
+def rank_sample_indices(step: int, micro_step: int, layout: Layout) -> np.ndarray:
+    """Global indices of micro-batch `micro_step` of this rank (`layout.dp_rank`) at `step`.
 
-    The global batch of step k is samples [k*G, (k+1)*G); rank r owns the contiguous slice
-    [k*G + r*G/dp, k*G + (r+1)*G/dp), cut into micro-batches of `micro_batch_size`."""
-    check_batch_sizes(global_batch_size, micro_batch_size, dp_size)
-    if not 0 <= dp_rank < dp_size:
-        raise ValueError(f"dp_rank {dp_rank} not in [0, {dp_size})")
-    start = step * global_batch_size + dp_rank * (global_batch_size // dp_size)
-    start += micro_step * micro_batch_size
-    return np.arange(start, start + micro_batch_size, dtype=np.int64)
-
-
-def check_batch_sizes(global_batch_size: int, micro_batch_size: int, dp_size: int) -> None:
-    if global_batch_size % (micro_batch_size * dp_size):
-        raise ValueError(f"global_batch_size {global_batch_size} must be a multiple of "
-                         f"micro_batch_size x dp_size = {micro_batch_size} x {dp_size}")
+    The global batch G of step k is samples [k*G, (k+1)*G); DP rank r owns the contiguous
+    slice [k*G + r*G/dp, k*G + (r+1)*G/dp), cut into `layout.gas` micro-batches."""
+    if not 0 <= micro_step < layout.gas:
+        raise ValueError(f"micro_step {micro_step} not in [0, {layout.gas})")
+    g, m = layout.global_batch_size, layout.micro_batch_size
+    start = step * g + layout.dp_rank * (g // layout.dp) + micro_step * m
+    return np.arange(start, start + m, dtype=np.int64)

@@ -22,17 +22,10 @@ from megatron_rembert.data.corpus import (
     discover_corpus,
     iter_documents,
 )
+from megatron_rembert.data.sampler import language_weights
 
 WORD_START = "\u2581"  # SentencePiece's word-boundary marker
 TRAIN_CHUNK_CHARS = 1000  # SentencePiece drops "sentences" over max_sentence_length bytes
-
-
-def language_probs(counts: dict[str, int], alpha: float) -> dict[str, float]:
-    """p_l = n_l^alpha / sum_k n_k^alpha (alpha=1: proportional, alpha=0: uniform)."""
-    langs = sorted(counts)
-    w = np.array([float(counts[lang]) for lang in langs]) ** alpha
-    w[np.array([counts[lang] for lang in langs]) == 0] = 0.0
-    return dict(zip(langs, (w / w.sum()).tolist(), strict=True))
 
 
 def _count_chunks(files, stats, max_line_bytes) -> int:
@@ -77,7 +70,9 @@ def train_tokenizer(
     if sum(counts.values()) == 0:
         raise DataError(f"no text in {corpus_dir}: every line was blank or skipped; "
                         f"{stats.report()}")
-    probs = language_probs(counts, alpha)
+    langs = sorted(counts)
+    probs = dict(zip(langs, language_weights([counts[x] for x in langs], alpha).tolist(),
+                     strict=True))
     total = min(max_sentences, sum(counts.values()))
     rng = np.random.Generator(np.random.Philox(key=seed))
     output_prefix = Path(output_prefix)

@@ -4,10 +4,11 @@ Each pipeline layer subclasses the module it wraps, keeping its parameter names,
 global name prefix (`pipe_prefix`), so layout-independent initialisation and checkpoint
 conversion see the same names as in the plain model.
 
-The first stage takes `PIPE_INPUTS` (see `pipeline_inputs`); activations between stages are
-(hidden B x S x H, attention_mask B x S, masked_positions B x P, masked_labels B x P,
-masked weights B x P as int32 bits). The last stage's forward computes the loss and returns
-`MLMLoss`, as the plain model does. Two rules of DeepSpeed's pipeline engine shape this:
+The first stage takes the tuple `PIPE_INPUTS` (made by `pipeline_inputs`); the later stages
+take `PIPE_ACTIVATIONS`: the embedding replaces the token ids and types by the hidden states
+(B x S x H), the rest (B x S or B x P) travels on to the head. The last stage's forward
+computes the loss and returns `MLMLoss`, as the plain model does. Two rules of DeepSpeed's
+pipeline engine shape this:
 - every floating-point tensor passed between stages is taken for an activation that receives a
   gradient, so the masks and labels travel as integers and the float weights as their int32
   bit pattern (exact; `view` reinterprets the bytes);
@@ -27,23 +28,38 @@ from megatron_rembert.model.embeddings import RemBertEmbeddings
 from megatron_rembert.model.mlm_head import MLMHead, MLMLoss, gather_positions
 from megatron_rembert.model.transformer import TransformerLayer
 
-# The first stage's inputs, in order (keys of a micro-batch; the weights as int32 bits).
+# The order of the tuples between stages, the one place it is defined. The first stage's
+# inputs are the keys of a micro-batch (data.masking.BATCH_DTYPES), the weights as int32 bits.
 PIPE_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "masked_positions",
                "masked_labels", "masked_weights")
+# What every later stage receives.
+PIPE_ACTIVATIONS = ("hidden", "attention_mask", "masked_positions", "masked_labels",
+                    "masked_weights")
 
 
 def pipeline_inputs(micro_batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """The first stage's input tuple of a micro-batch (see the module docstring)."""
     weights = micro_batch["masked_weights"].to(torch.float32).contiguous()
-    return tuple(micro_batch[k] for k in PIPE_INPUTS[:-1]) + (weights.view(torch.int32),)
+    return tuple(weights.view(torch.int32) if k == "masked_weights" else micro_batch[k]
+                 for k in PIPE_INPUTS)
+
+
+def _named(names: tuple[str, ...], values: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
+    return dict(zip(names, values, strict=True))
+
+
+def _activations(hidden: torch.Tensor, carried: dict[str, torch.Tensor]
+                 ) -> tuple[torch.Tensor, ...]:
+    """The tuple a stage hands on: `hidden`, then the other PIPE_ACTIVATIONS from `carried`."""
+    return (hidden, *(carried[k] for k in PIPE_ACTIVATIONS[1:]))
 
 
 class EmbeddingPipe(RemBertEmbeddings):
     pipe_prefix = "rembert.embeddings."
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        input_ids, attention_mask, token_type_ids, *targets = inputs
-        return (super().forward(input_ids, token_type_ids), attention_mask, *targets)
+        x = _named(PIPE_INPUTS, inputs)
+        return _activations(super().forward(x["input_ids"], x["token_type_ids"]), x)
 
 
 class TransformerLayerPipe(TransformerLayer):
@@ -52,8 +68,8 @@ class TransformerLayerPipe(TransformerLayer):
         self.pipe_prefix = f"rembert.layers.{index}."
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        hidden, attention_mask, *targets = inputs
-        return (super().forward(hidden, attention_mask.bool()), attention_mask, *targets)
+        x = _named(PIPE_ACTIVATIONS, inputs)
+        return _activations(super().forward(x["hidden"], x["attention_mask"].bool()), x)
 
 
 class MLMHeadPipe(MLMHead):
@@ -62,10 +78,10 @@ class MLMHeadPipe(MLMHead):
     pipe_prefix = "mlm_head."
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> MLMLoss:
-        hidden, _attention_mask, masked_positions, masked_labels, weight_bits = inputs
-        masked_weights = weight_bits.contiguous().view(torch.float32)  # B x P
-        return super().forward(gather_positions(hidden, masked_positions),
-                               masked_labels.reshape(-1), masked_weights.reshape(-1))
+        x = _named(PIPE_ACTIVATIONS, inputs)
+        masked_weights = x["masked_weights"].contiguous().view(torch.float32)  # B x P
+        return super().forward(gather_positions(x["hidden"], x["masked_positions"]),
+                               x["masked_labels"].reshape(-1), masked_weights.reshape(-1))
 
 
 def pipeline_layer_builders(config: ModelConfig) -> list[tuple[type, tuple]]:

@@ -1,9 +1,8 @@
-"""Process groups for a (pp, dp, tp) layout, tensor-parallel ranks adjacent.
+"""Process groups for a parallel layout (parallel/layout.py), tensor-parallel ranks adjacent.
 
-Global rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank: the order of DeepSpeed's
-`PipeModelDataParallelTopology` (axes pipe, data, model; model fastest), so our groups, the
-pipeline engine and ZeRO agree on who is who. Tensor-parallel peers are adjacent ranks, i.e.
-on one node when tp <= GPUs per node.
+The groups follow the layout's rank order, that of DeepSpeed's `PipeModelDataParallelTopology`,
+so our groups, the pipeline engine and ZeRO agree on who is who. Tensor-parallel peers are
+adjacent ranks, i.e. on one node when tp <= GPUs per node.
 
 The state is a module-level singleton, as in Megatron-LM: layers ask for the TP group when they
 run. Without `initialize_model_parallel` everything is a single process (tp = pp = dp = 1) and
@@ -16,9 +15,13 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from megatron_rembert.parallel.layout import Layout, layout_rank
+
 
 @dataclass
 class ParallelState:
+    """The groups of this rank, beside its sizes and ranks (copied from the Layout)."""
+
     tp: int = 1
     pp: int = 1
     dp: int = 1
@@ -35,30 +38,21 @@ class ParallelState:
 _STATE = ParallelState()
 
 
-def layout_rank(pp_rank: int, dp_rank: int, tp_rank: int, dp: int, tp: int) -> int:
-    return (pp_rank * dp + dp_rank) * tp + tp_rank
-
-
-def layout_coords(rank: int, dp: int, tp: int) -> tuple[int, int, int]:
-    """(pp_rank, dp_rank, tp_rank) of a global rank."""
-    return rank // (dp * tp), (rank // tp) % dp, rank % tp
-
-
-def initialize_model_parallel(tp: int = 1, pp: int = 1) -> ParallelState:
-    """Build the TP, PP, DP and model groups over the default process group; every rank calls it."""
+def initialize_model_parallel(layout: Layout) -> ParallelState:
+    """Build the TP, PP, DP and model groups of `layout` over the default process group;
+    every rank calls it."""
     global _STATE
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if tp < 1 or pp < 1 or world % (tp * pp):
-        raise ValueError(
-            f"world size {world} is not divisible by parallel.tp x parallel.pp = {tp} x {pp}; "
-            "choose tp and pp whose product divides the number of processes")
-    dp = world // (tp * pp)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if (layout.world_size, layout.rank) != (world, rank):
+        raise ValueError(f"layout of {layout.world_size} processes for rank {layout.rank}, but "
+                         f"this is rank {rank} of {world}")
     if not dist.is_initialized():
         _STATE = ParallelState()
         return _STATE
-    rank = dist.get_rank()
-    pp_rank, dp_rank, tp_rank = layout_coords(rank, dp, tp)
-    state = ParallelState(tp=tp, pp=pp, dp=dp, tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank)
+    tp, pp, dp = layout.tp, layout.pp, layout.dp
+    state = ParallelState(tp=tp, pp=pp, dp=dp, tp_rank=layout.tp_rank, pp_rank=layout.pp_rank,
+                          dp_rank=layout.dp_rank)
     # new_group is collective: every rank creates every group, in the same order.
     for p in range(pp):
         for d in range(dp):

@@ -6,8 +6,10 @@
     optim:    optimizer and learning-rate schedule
     train:    batch sizes, precision, steps, logging, checkpoints
 
-Every number lives here once; `training.ds_config` writes batch sizes, precision, ZeRO stage,
-optimizer and clipping into the DeepSpeed config dict.
+Every number lives here once; `training.optim.deepspeed_config` writes batch sizes, precision,
+ZeRO stage, optimizer and clipping into the DeepSpeed config dict. The parallel layout (dp and
+gradient accumulation from tp, pp, the batch sizes and the world size) is derived once, by
+`validate_config`, into a `parallel.layout.Layout`.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from megatron_rembert.config import (
     Range,
     get_preset,
 )
+from megatron_rembert.data.config import DataConfig
+from megatron_rembert.parallel.layout import Layout
 from megatron_rembert.paths import unwritable_reason
 
 
@@ -45,19 +49,6 @@ class ParallelConfig:
     timeout_minutes: float = 10.0
     # auto: nccl on GPUs, gloo on CPUs; gloo on GPUs lets several ranks share one GPU (checks)
     backend: str = "auto"
-
-
-@dataclass
-class DataConfig:
-    path: str = ""  # dataset folder with manifest.json (data_tools/preprocess.py)
-    tokenizer: str = ""  # the SentencePiece .model the dataset was made with
-    seq_length: int = 512
-    alpha: float = 0.5  # language sampling exponent (paper: 0.5)
-    mask_prob: float = 0.15
-    whole_word_mask: bool = False
-    # P, masked slots per sequence (at most seq_length); 0 = derived from seq_length
-    max_predictions: int = 0
-    num_workers: int = 1
 
 
 @dataclass
@@ -297,15 +288,14 @@ def _field_notes(cls) -> dict[str, str]:
     return notes
 
 
-def validate_config(config: Config, world_size: int) -> int:
-    """Check everything that can be checked before any heavy work; returns the DP size."""
+def validate_config(config: Config, world_size: int, rank: int = 0) -> Layout:
+    """Check everything that can be checked before any heavy work; returns the layout of
+    `world_size` processes as seen from `rank`."""
     check_ranges(config)
     par, train, optim = config.parallel, config.train, config.optim
-    if par.tp < 1 or par.pp < 1 or world_size % (par.tp * par.pp):
-        raise ConfigError(
-            f"world size {world_size} is not divisible by parallel.tp x parallel.pp = "
-            f"{par.tp} x {par.pp}; change the number of processes or the layout")
-    dp = world_size // (par.tp * par.pp)
+    layout = Layout.build(world_size, rank, tp=par.tp, pp=par.pp,
+                          micro_batch_size=train.micro_batch_size,
+                          global_batch_size=train.global_batch_size)
     config.model.validate(par.tp)
     if config.model.num_hidden_layers < par.pp:
         raise ConfigError(f"model.num_hidden_layers={config.model.num_hidden_layers} is fewer "
@@ -327,11 +317,6 @@ def validate_config(config: Config, world_size: int) -> int:
         raise ConfigError(f"parallel.zero_stage={par.zero_stage} with parallel.pp={par.pp}: "
                           "pipeline parallelism needs zero_stage=1 (DeepSpeed's pipeline "
                           "engine has no ZeRO-2, and clips gradients wrongly without ZeRO)")
-    per_step = train.micro_batch_size * dp
-    if train.micro_batch_size < 1 or train.global_batch_size % per_step:
-        raise ConfigError(
-            f"train.global_batch_size={train.global_batch_size} is not a multiple of "
-            f"train.micro_batch_size x DP = {train.micro_batch_size} x {dp}")
     if train.precision not in ("fp32", "bf16", "fp16"):
         raise ConfigError(f"train.precision={train.precision!r}: expected fp32, bf16 or fp16")
     if train.precision != "fp32" and par.zero_stage == 0:
@@ -353,4 +338,4 @@ def validate_config(config: Config, world_size: int) -> int:
         raise ConfigError(
             f"data.seq_length={config.data.seq_length} exceeds "
             f"model.max_position_embeddings={config.model.max_position_embeddings}")
-    return dp
+    return layout

@@ -7,6 +7,11 @@ Loss normalisation is layout-independent: the gradient is that of
     sum of per-token losses over the global batch / number of real masked tokens in it,
 so each micro-batch's backward gets `loss_sum * gas * dp / global_tokens` (DeepSpeed divides
 by the gradient-accumulation steps and averages over DP).
+
+Both branches run a global batch the same way: `_prepare` makes a `_StepContext` (that batch's
+loss factor and running statistics), and every micro-batch's `MLMLoss` goes through its
+`scaled_loss`: called by us before `engine.backward` for pp = 1, and by the pipeline engine as
+its `loss_fn` for pp > 1.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from megatron_rembert.model.pipeline import (
 from megatron_rembert.model.rembert import RemBertForPreTraining
 from megatron_rembert.parallel import comm, state
 from megatron_rembert.parallel.layers import init_weights, is_tp_sharded
+from megatron_rembert.parallel.layout import Layout
 from megatron_rembert.parallel.random import checkpoint_safe
 from megatron_rembert.training.config import Config
 from megatron_rembert.training.hang import POSITION
@@ -64,10 +70,24 @@ def check_micro_batch(mb: dict, where: str = "micro-batch") -> None:
                              f"{(b, p) if key.startswith('masked_') else (b, s)}")
 
 
-def _stats(out: MLMLoss) -> torch.Tensor:
-    """[loss_sum, tokens, correct] on the training device (no host sync)."""
-    return torch.stack([out.loss_sum.detach().float(), out.num_tokens.detach().float(),
-                        out.num_correct.detach().float()])
+class _StepContext:
+    """One global batch in flight: its loss factor `gas * dp / global masked tokens` and the
+    running [loss_sum, tokens, correct] of this rank, both on the training device (no host
+    sync until `Trainer._finish_stats`)."""
+
+    def __init__(self, loss_factor: torch.Tensor):
+        self.loss_factor = loss_factor
+        self.stats = torch.zeros(3, device=loss_factor.device)
+
+    def scaled_loss(self, out: MLMLoss | tuple, _labels=None) -> torch.Tensor:
+        """Count a micro-batch's statistics; its loss sum scaled for backward. Also the
+        pipeline engine's `loss_fn(outputs, labels)`: the labels travel with the activations
+        (model/pipeline.py), the engine's own label slot is empty."""
+        out = MLMLoss(*out)
+        self.stats += torch.stack([out.loss_sum.detach().float(),
+                                   out.num_tokens.detach().float(),
+                                   out.num_correct.detach().float()])
+        return out.loss_sum * self.loss_factor
 
 
 def _recompute(function, *args):
@@ -76,7 +96,7 @@ def _recompute(function, *args):
     return checkpoint(checkpoint_safe(function), *args, use_reentrant=False)
 
 
-def _build_pipeline(config: Config, dp: int):
+def _build_pipeline(config: Config, layout: Layout):
     from deepspeed.pipe import LayerSpec, PipelineModule
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
@@ -88,8 +108,7 @@ def _build_pipeline(config: Config, dp: int):
         def _count_layer_params(self):
             return list(costs)
 
-    topology = PipeModelDataParallelTopology(num_pp=config.parallel.pp, num_mp=config.parallel.tp,
-                                             num_dp=dp)
+    topology = PipeModelDataParallelTopology(num_pp=layout.pp, num_mp=layout.tp, num_dp=layout.dp)
     specs = [LayerSpec(cls, *args) for cls, args in pipeline_layer_builders(config.model)]
     module = RemBertPipelineModule(
         layers=specs, topology=topology, partition_method="parameters",
@@ -108,13 +127,13 @@ class Trainer:
     collective goes through `parallel.comm`.
     """
 
-    def __init__(self, config: Config, dp: int, device: torch.device):
+    def __init__(self, config: Config, layout: Layout, device: torch.device):
         import deepspeed
 
-        self.config, self.dp, self.device = config, dp, device
-        self.pipeline = config.parallel.pp > 1
+        self.config, self.layout, self.device = config, layout, device
+        self.pipeline = layout.pp > 1
         if self.pipeline:
-            model = _build_pipeline(config, dp)
+            model = _build_pipeline(config, layout)
         else:
             model = RemBertForPreTraining(config.model)
             model.init_weights(config.train.seed)
@@ -122,26 +141,16 @@ class Trainer:
         model.to(device)
         optimizer = build_optimizer(model, config)
         scheduler = build_scheduler(optimizer, config)
-        self.ds_config = deepspeed_config(config, dp)
+        self.ds_config = deepspeed_config(config, layout)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config,
             mpu=None if self.pipeline else state.DeepSpeedMPU())
         if isinstance(optimizer, Lamb) and self.optimizer is not optimizer:
             optimizer.use_flat_partitions(self.optimizer)
-        self.gas = self.engine.gradient_accumulation_steps()
-        self._stats = torch.zeros(3, device=device)  # [loss_sum, tokens, correct]
-        self._loss_factor = torch.ones((), device=device)
         if self.pipeline:
-            self.engine.module.loss_fn = self._pipeline_loss
             _track_instructions(self.engine)
 
     # -- pipeline plumbing ---------------------------------------------------------------
-    def _pipeline_loss(self, out, _labels) -> torch.Tensor:
-        """The last stage's forward computed the loss sums (model/pipeline.py); scale them."""
-        out = MLMLoss(*out)
-        self._stats += _stats(out)
-        return out.loss_sum * self._loss_factor
-
     def _pipeline_items(self, micro_batches: list[dict]):
         for i, mb in enumerate(micro_batches):
             POSITION.set(detail=f"loading micro-batch {i + 1}/{len(micro_batches)}")
@@ -149,21 +158,21 @@ class Trainer:
             yield pipeline_inputs(mb), ()
 
     # -- steps ---------------------------------------------------------------------------
-    def _prepare(self, micro_batches: list[dict]) -> list[dict]:
-        """Checked, moved to the training device, and the loss factor of this global batch:
-        `gas * dp / global masked tokens`, kept on the device (no host sync)."""
+    def _prepare(self, micro_batches: list[dict]) -> tuple[list[dict], _StepContext]:
+        """Checked, moved to the training device, and the context of this global batch (its
+        loss factor `gas * dp / global masked tokens`, kept on the device: no host sync)."""
         for i, mb in enumerate(micro_batches):
             check_micro_batch(mb, f"micro-batch {i}")
         local = sum(float(mb["masked_weights"].sum()) for mb in micro_batches)  # CPU tensors
         tokens = comm.all_reduce(torch.tensor(local, dtype=torch.float32, device=self.device),
                                  group=state.get_state().dp_group)
-        self._loss_factor = (self.gas * self.dp) / tokens.clamp(min=1.0)
-        self._stats = torch.zeros(3, device=self.device)
-        return [{k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
-                for mb in micro_batches]
+        step = _StepContext((self.layout.gas * self.layout.dp) / tokens.clamp(min=1.0))
+        moved = [{k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
+                 for mb in micro_batches]
+        return moved, step
 
-    def _finish_stats(self) -> tuple[float, float, int]:
-        stats = self._stats
+    def _finish_stats(self, step: _StepContext) -> tuple[float, float, int]:
+        stats = step.stats
         if self.pipeline:  # only the last stage computed the loss
             stats = comm.all_reduce(stats, group=state.get_state().pp_group)
         stats = comm.all_reduce(stats, group=state.get_state().dp_group)
@@ -172,26 +181,26 @@ class Trainer:
         return loss_sum / tokens, correct / tokens, int(tokens)
 
     def train_step(self, micro_batches: list[dict]) -> StepStats:
-        if len(micro_batches) != self.gas:
-            raise ValueError(f"expected {self.gas} micro-batches, got {len(micro_batches)}")
-        micro_batches = self._prepare(micro_batches)
+        if len(micro_batches) != self.layout.gas:
+            raise ValueError(f"expected {self.layout.gas} micro-batches, got "
+                             f"{len(micro_batches)}")
+        micro_batches, step = self._prepare(micro_batches)
         skipped_before = self.engine.skipped_steps
         lr = self.scheduler.get_last_lr()[0]  # the rate this step applies
         self.engine.train()
         if self.pipeline:
+            self.engine.module.loss_fn = step.scaled_loss  # on the last stage, per micro-batch
             self.engine.train_batch(data_iter=self._pipeline_items(micro_batches))
         else:
             own_norm = None  # DeepSpeed clips with the norm at ZeRO 0 but reports None
             for i, mb in enumerate(micro_batches):
                 POSITION.set(detail=f"micro-batch {i + 1}/{len(micro_batches)}")
-                out = self.engine(**mb)
-                self._stats += _stats(out)
-                self.engine.backward(out.loss_sum * self._loss_factor)
+                self.engine.backward(step.scaled_loss(self.engine(**mb)))
                 if i == len(micro_batches) - 1 and self.config.parallel.zero_stage == 0:
                     own_norm = self._grad_norm()
                 self.engine.step()
         POSITION.set(detail="step statistics")
-        loss, acc, tokens = self._finish_stats()
+        loss, acc, tokens = self._finish_stats(step)
         grad_norm = self.engine.get_global_grad_norm()
         if grad_norm is None and not self.pipeline:
             grad_norm = own_norm
@@ -219,15 +228,16 @@ class Trainer:
     @torch.no_grad()
     def eval_step(self, micro_batches: list[dict]) -> tuple[float, float, int]:
         """Loss and MLM accuracy over the given micro-batches (all DP ranks together)."""
-        micro_batches = self._prepare(micro_batches)
+        micro_batches, step = self._prepare(micro_batches)
         self.engine.eval()
         if self.pipeline:
+            self.engine.module.loss_fn = step.scaled_loss
             self.engine.eval_batch(data_iter=self._pipeline_items(micro_batches),
                                    num_micro_batches=len(micro_batches))
         else:
             for mb in micro_batches:
-                self._stats += _stats(self.engine(**mb))
-        return self._finish_stats()
+                step.scaled_loss(self.engine(**mb))
+        return self._finish_stats(step)
 
     def loss_scale(self) -> float | None:
         if self.config.train.precision != "fp16":

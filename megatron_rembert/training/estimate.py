@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from megatron_rembert.model.pipeline import pipeline_layer_costs
 from megatron_rembert.model.sizes import flops_per_token, parameter_counts
+from megatron_rembert.parallel.layout import Layout
 from megatron_rembert.training.config import Config, validate_config
 
 
@@ -28,7 +29,7 @@ def _partition(costs: list[int], stages: int) -> list[list[int]]:
     return out
 
 
-def memory_estimate(config: Config, dp: int) -> dict:
+def memory_estimate(config: Config, layout: Layout) -> dict:
     """Bytes per rank on the most loaded pipeline stage.
 
     Parameters and gradients in the training precision (fp32 master weights kept by the
@@ -42,7 +43,7 @@ def memory_estimate(config: Config, dp: int) -> dict:
     holds up to pp micro-batches in flight.
     """
     m, par, train = config.model, config.parallel, config.train
-    tp, pp = par.tp, par.pp
+    tp, pp, dp = layout.tp, layout.pp, layout.dp
     stages = _partition(pipeline_layer_costs(m), pp)
     params = max(sum(s) for s in stages) / tp
     half = train.precision in ("bf16", "fp16")
@@ -50,38 +51,35 @@ def memory_estimate(config: Config, dp: int) -> dict:
     zero = par.zero_stage
     grads = params * (weight_bytes + (4 if half else 0)) / (dp if zero >= 2 else 1)
     optimizer = params * ((4 if half else 0) + 8) / (dp if zero >= 1 else 1)
-    s, b, h, a = config.data.seq_length, train.micro_batch_size, m.hidden_size, \
+    s, b, h, a = config.data.seq_length, layout.micro_batch_size, m.hidden_size, \
         m.num_attention_heads
     per_layer = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
     if par.activation_checkpointing:
         per_layer = 2 * s * b * h
     layers_per_stage = -(-m.num_hidden_layers // pp)
-    activations = per_layer * layers_per_stage * min(pp, _gas(config, dp)) * (1 if half else 2)
+    activations = per_layer * layers_per_stage * min(pp, layout.gas) * (1 if half else 2)
     return {"parameters": params * weight_bytes, "gradients": grads,
             "optimizer_states": optimizer, "activations": activations,
             "params_per_rank": params}
 
 
-def _gas(config: Config, dp: int) -> int:
-    return config.train.global_batch_size // (config.train.micro_batch_size * dp)
-
-
-def dry_run_report(config: Config, world_size: int) -> str:
-    dp = validate_config(config, world_size)
+def dry_run_report(config: Config, world_size: int | None = None) -> str:
+    """The `--dry-run` text for `world_size` processes (default: tp x pp, i.e. dp = 1)."""
+    par = config.parallel
+    layout = validate_config(config, world_size or par.tp * par.pp)
     counts = parameter_counts(config.model)
     flops = flops_per_token(config.model, config.data.seq_length, config.data.mask_prob)
-    tokens = config.train.global_batch_size * config.data.seq_length
-    mem = memory_estimate(config, dp)
+    tokens = layout.global_batch_size * config.data.seq_length
+    mem = memory_estimate(config, layout)
     gib = 2**30
     lines = [
         f"model {config.model_preset}: {counts.pretraining:,} parameters in pre-training "
         f"({counts.pretraining_with_pooler:,} with pooler), {counts.finetuning:,} in "
         "fine-tuning",
-        f"layout: world {world_size} = pp {config.parallel.pp} x dp {dp} x tp "
-        f"{config.parallel.tp}; ZeRO stage {config.parallel.zero_stage}; "
-        f"{config.train.precision}",
-        f"batch: global {config.train.global_batch_size} = micro {config.train.micro_batch_size}"
-        f" x accumulation {_gas(config, dp)} x dp {dp}; {tokens:,} tokens per step",
+        f"layout: world {layout.world_size} = pp {layout.pp} x dp {layout.dp} x tp {layout.tp}; "
+        f"ZeRO stage {par.zero_stage}; {config.train.precision}",
+        f"batch: global {layout.global_batch_size} = micro {layout.micro_batch_size}"
+        f" x accumulation {layout.gas} x dp {layout.dp}; {tokens:,} tokens per step",
         f"FLOPs per step: {flops['training'] * tokens:.3e} "
         f"({flops['training']:,.0f} per token, MLM head {flops['head_share']:.1%} of forward)",
         f"memory per rank (estimate, most loaded stage, {mem['params_per_rank']:,.0f} "

@@ -17,6 +17,7 @@ from megatron_rembert.data.shards import ShardDataset
 from megatron_rembert.model.sizes import flops_per_token
 from megatron_rembert.parallel import comm, state
 from megatron_rembert.parallel import random as tp_random
+from megatron_rembert.parallel.layout import Layout
 from megatron_rembert.training import checkpoint as ckpt
 from megatron_rembert.training.config import Config, validate_config
 from megatron_rembert.training.hang import POSITION, Watchdog, describe, is_collective_failure
@@ -57,10 +58,12 @@ def setup_distributed(timeout_minutes: float = 10.0, backend: str = "auto"
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def check_inputs(config: Config, world_size: int, device: torch.device
-                 ) -> tuple[int, str | None]:
-    """Every cheap check before heavy work: layout, data folder, tokenizer, vocabulary."""
-    dp = validate_config(config, world_size)
+def check_inputs(config: Config, world_size: int, device: torch.device, rank: int = 0
+                 ) -> tuple[Layout, str | None]:
+    """Every cheap check before heavy work: layout, data folder, tokenizer, vocabulary (the
+    one place the model's vocabulary is compared with the dataset's). Returns this rank's
+    layout and the tokenizer's sha256."""
+    layout = validate_config(config, world_size, rank)
     if config.train.precision == "fp16" and device.type != "cuda":
         from deepspeed.accelerator import get_accelerator
 
@@ -91,16 +94,14 @@ def check_inputs(config: Config, world_size: int, device: torch.device
             f"data.path={data.path} was made with a tokenizer of {dataset.vocab_size} pieces, "
             f"model.vocab_size={config.model.vocab_size}; set model.vocab_size="
             f"{dataset.vocab_size} or use the matching dataset")
-    return dp, sha
+    return layout, sha
 
 
-def _meta(config: Config, sha: str | None, world: int) -> dict:
-    par = config.parallel
-    return {"config": config.to_dict(), "tokenizer_sha256": sha,
-            "layout": {"tp": par.tp, "pp": par.pp, "dp": world // (par.tp * par.pp)}}
+def _meta(config: Config, sha: str | None, layout: Layout) -> dict:
+    return {"config": config.to_dict(), "tokenizer_sha256": sha, "layout": layout.sizes()}
 
 
-def _resume(trainer, config: Config, world: int) -> tuple[int, int]:
+def _resume(trainer, config: Config, layout: Layout) -> tuple[int, int]:
     folder = ckpt.find_latest(config.train.save_dir)
     if folder is None:
         return 0, 0
@@ -119,7 +120,7 @@ def _resume(trainer, config: Config, world: int) -> tuple[int, int]:
             f"{folder}: trained with train.global_batch_size="
             f"{meta['config']['train']['global_batch_size']}, the config says "
             f"{config.train.global_batch_size}")
-    same_layout = meta["layout"] == _meta(config, None, world)["layout"]
+    same_layout = meta["layout"] == layout.sizes()
     resumed = ckpt.load_checkpoint(trainer.engine, folder, same_layout)
     return resumed.step, resumed.consumed_samples
 
@@ -155,33 +156,29 @@ def _train(config: Config, rank: int, world: int, device: torch.device, stop: St
     from megatron_rembert.training.engine import Trainer
 
     POSITION.set(step=0, phase="start-up")
-    dp, sha = check_inputs(config, world, device)
-    s = state.initialize_model_parallel(config.parallel.tp, config.parallel.pp)
+    layout, sha = check_inputs(config, world, device, rank)
+    state.initialize_model_parallel(layout)
     log = MetricsLogger(config.train.log_dir, enabled=rank == 0)
-    trainer = Trainer(config, dp, device)
+    trainer = Trainer(config, layout, device)
     # Dropout streams seeded after the model is built: building draws from the default stream
     # (torch's own initialisation, overwritten by ours), as many numbers as the modules this
     # rank happens to hold. Resuming restores the saved streams.
     tp_random.seed_all(config.train.seed, device)
     POSITION.set(phase="resume")
-    step, consumed = _resume(trainer, config, world)
+    step, consumed = _resume(trainer, config, layout)
     if step:
         log.console(f"resumed from {Path(config.train.save_dir) / ckpt.step_tag(step)} "
                     f"(step {step}, {consumed} samples consumed)")
     train_cfg, data = config.train, config.data
-    loader = build_pretraining_loader(
-        data.path, sha, data.seq_length, train_cfg.micro_batch_size, train_cfg.global_batch_size,
-        dp_rank=s.dp_rank, dp_size=dp, seed=train_cfg.seed, consumed_samples=consumed,
-        alpha=data.alpha, mask_prob=data.mask_prob, whole_word_mask=data.whole_word_mask,
-        vocab_size=config.model.vocab_size, max_predictions=data.max_predictions or None,
-        num_workers=data.num_workers)
+    loader = build_pretraining_loader(data, layout, seed=train_cfg.seed, tokenizer_sha256=sha,
+                                      consumed_samples=consumed)
     POSITION.set(phase="signal agreement")
     if stop.agreed():  # a stop request during start-up: nothing new to save
         log.console(f"{stop.name or 'a signal'} during start-up: nothing new to save; exiting")
         log.close()
         return {"step": step, "last_saved": step or None, "last": {},
                 "save_dir": config.train.save_dir, "log_dir": config.train.log_dir}
-    meta = _meta(config, sha, world)
+    meta = _meta(config, sha, layout)
     flops_token = flops_per_token(config.model, data.seq_length, data.mask_prob)["training"]
     peak = peak_flops(device)
     nonfinite = 0
@@ -190,7 +187,7 @@ def _train(config: Config, rank: int, world: int, device: torch.device, stop: St
     while step < train_cfg.steps:
         start = time.perf_counter()
         POSITION.set(step=step + 1, phase="train step", detail="loading data")
-        batches = [next(loader) for _ in range(trainer.gas)]
+        batches = [next(loader) for _ in range(layout.gas)]
         stats = trainer.train_step(batches)
         step += 1
         consumed += train_cfg.global_batch_size
@@ -209,7 +206,7 @@ def _train(config: Config, rank: int, world: int, device: torch.device, stop: St
                 "masked_tokens": stats.masked_tokens, "consumed_samples": consumed,
                 "memory": memory_gib(device),
                 # Model FLOP/s per process (the summary CLI's count); MFU only on known GPUs.
-                "tflops_per_gpu": flops_token * tokens_per_s / world / 1e12}
+                "tflops_per_gpu": flops_token * tokens_per_s / layout.world_size / 1e12}
         if peak is not None:
             last["mfu"] = last["tflops_per_gpu"] * 1e12 / peak
         if step % train_cfg.log_interval == 0 or step == train_cfg.steps:
@@ -217,7 +214,7 @@ def _train(config: Config, rank: int, world: int, device: torch.device, stop: St
             log.console(format_line(step, train_cfg.steps, last))
         if train_cfg.eval_interval and step % train_cfg.eval_interval == 0:
             POSITION.set(phase="validation")
-            evaluate(trainer, config, s.dp_rank, dp, sha, step, log)
+            evaluate(trainer, config, sha, step, log)
         POSITION.set(phase="signal agreement")
         stopping = stop.agreed()
         periodic = train_cfg.save_interval and step % train_cfg.save_interval == 0
@@ -234,20 +231,16 @@ def _train(config: Config, rank: int, world: int, device: torch.device, stop: St
             "save_dir": train_cfg.save_dir, "log_dir": train_cfg.log_dir}
 
 
-def evaluate(trainer, config: Config, dp_rank: int, dp: int, sha: str | None, step: int,
-             log: MetricsLogger) -> None:
-    data = config.data
-    loader = build_validation_loader(
-        data.path, sha, data.seq_length, config.train.micro_batch_size, dp_rank=dp_rank,
-        dp_size=dp, seed=config.train.seed, mask_prob=data.mask_prob,
-        whole_word_mask=data.whole_word_mask, vocab_size=config.model.vocab_size,
-        max_predictions=data.max_predictions or None,
-        max_batches=config.train.eval_batches * trainer.gas)
+def evaluate(trainer, config: Config, sha: str | None, step: int, log: MetricsLogger) -> None:
+    gas = trainer.layout.gas
+    loader = build_validation_loader(config.data, trainer.layout, seed=config.train.seed,
+                                     tokenizer_sha256=sha,
+                                     max_batches=config.train.eval_batches * gas)
     batches = list(loader)
     # The pipeline engine evaluates in groups of gradient-accumulation size.
-    usable = len(batches) - len(batches) % trainer.gas
+    usable = len(batches) - len(batches) % gas
     if usable == 0:
-        log.console(f"validation split too small for one batch of {trainer.gas} micro-batches")
+        log.console(f"validation split too small for one batch of {gas} micro-batches")
         return
     loss, acc, tokens = trainer.eval_step(batches[:usable])
     log.log(step, {"loss": loss, "mlm_acc": acc, "masked_tokens": tokens}, prefix="valid")

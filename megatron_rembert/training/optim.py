@@ -11,6 +11,7 @@ from torch import nn
 
 from megatron_rembert.config import ConfigError
 from megatron_rembert.parallel import state
+from megatron_rembert.parallel.layout import Layout
 from megatron_rembert.training.config import Config
 from megatron_rembert.training.lamb import Lamb
 
@@ -19,8 +20,9 @@ _OWNED_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu",
                "gradient_accumulation_steps", "optimizer", "scheduler", "gradient_clipping")
 
 
-def deepspeed_config(config: Config, dp: int) -> dict:
-    """The DeepSpeed config dict: the optional JSON's knobs plus every number from our Config."""
+def deepspeed_config(config: Config, layout: Layout) -> dict:
+    """The DeepSpeed config dict: the optional JSON's knobs plus every number from our Config
+    and the layout."""
     ds: dict = {}
     if config.parallel.ds_config:
         path = Path(config.parallel.ds_config)
@@ -35,10 +37,9 @@ def deepspeed_config(config: Config, dp: int) -> dict:
             raise ConfigError(f"{path} sets {owned}: these come from our config (train.*, "
                               "optim.*); remove them from the JSON")
     train = config.train
-    gas = train.global_batch_size // (train.micro_batch_size * dp)
-    ds.update(train_batch_size=train.global_batch_size,
-              train_micro_batch_size_per_gpu=train.micro_batch_size,
-              gradient_accumulation_steps=gas,
+    ds.update(train_batch_size=layout.global_batch_size,
+              train_micro_batch_size_per_gpu=layout.micro_batch_size,
+              gradient_accumulation_steps=layout.gas,
               gradient_clipping=config.optim.clip_grad,
               steps_per_print=10**9)  # our own logging replaces DeepSpeed's
     # Gradients accumulate over micro-batches in fp32 in every precision (for bf16 under ZeRO-1

@@ -31,20 +31,20 @@ def train_worker(rank, world_size, model: dict, over: list[str], load: str | Non
 
     deepspeed.init_distributed(dist_backend="gloo")
     config = build_config({"model": model}, over)
-    dp = validate_config(config, world_size)
-    s = state.initialize_model_parallel(config.parallel.tp, config.parallel.pp)
-    trainer = Trainer(config, dp, torch.device("cpu"))
+    layout = validate_config(config, world_size, rank)
+    s = state.initialize_model_parallel(layout)
+    trainer = Trainer(config, layout, torch.device("cpu"))
     if load:
         resumed = ckpt.load_checkpoint(trainer.engine, Path(load), same_layout=False)
         assert resumed.step == first_step
     losses = []
     for step in range(first_step, first_step + steps):
-        batches = micro_batches(step, GLOBAL_BATCH, MICRO, s.dp_rank, dp,
+        batches = micro_batches(step, GLOBAL_BATCH, MICRO, s.dp_rank, layout.dp,
                                 config.model.vocab_size)
         losses.append(trainer.train_step(batches).loss)
         if save and step + 1 == save[1]:
             meta = {"config": config.to_dict(), "tokenizer_sha256": None,
-                    "layout": {"tp": config.parallel.tp, "pp": config.parallel.pp, "dp": dp}}
+                    "layout": layout.sizes()}
             ckpt.save_checkpoint(trainer.engine, save[0], step + 1,
                                  (step + 1) * GLOBAL_BATCH, meta, keep_last=5)
     return losses
@@ -62,9 +62,9 @@ def eval_worker(rank, world_size, model: dict, over: list[str], load: str, batch
 
     deepspeed.init_distributed(dist_backend="gloo")
     config = build_config({"model": model}, over)
-    dp = validate_config(config, world_size)
-    state.initialize_model_parallel(config.parallel.tp, config.parallel.pp)
-    trainer = Trainer(config, dp, torch.device("cpu"))
+    layout = validate_config(config, world_size, rank)
+    state.initialize_model_parallel(layout)
+    trainer = Trainer(config, layout, torch.device("cpu"))
     ckpt.load_checkpoint(trainer.engine, Path(load), same_layout=False)
     micro = [{k: v[i:i + MICRO] for k, v in batch.items()}
              for i in range(0, len(batch["input_ids"]), MICRO)]

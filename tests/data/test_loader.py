@@ -12,16 +12,27 @@ import torch
 
 from megatron_rembert.data import shards
 from megatron_rembert.data.common import DataError
+from megatron_rembert.data.config import DataConfig
 from megatron_rembert.data.loader import build_pretraining_loader, build_validation_loader
 from megatron_rembert.data.masking import BATCH_DTYPES
+from megatron_rembert.parallel.layout import Layout
 from tests.data.conftest import set_token, shard_entries
 
 
-def _take(data_dir, n, **kw):
-    args = dict(tokenizer_sha256=None, seq_length=64, micro_batch_size=2, global_batch_size=8,
-                seed=11, num_workers=0, num_micro_batches=n, return_tensors="np")
+def _take(data_dir, n, micro_batch_size=2, dp_rank=0, dp_size=1, whole_word_mask=False,
+          **kw):
+    data = DataConfig(path=str(data_dir), seq_length=64, whole_word_mask=whole_word_mask)
+    layout = Layout.build(dp_size, dp_rank, micro_batch_size=micro_batch_size,
+                          global_batch_size=8)
+    args = dict(seed=11, num_workers=0, num_micro_batches=n, return_tensors="np")
     args.update(kw)
-    return list(build_pretraining_loader(str(data_dir), **args))
+    return list(build_pretraining_loader(data, layout, **args))
+
+
+def _validation(data_dir, dp_rank):
+    return list(build_validation_loader(DataConfig(path=str(data_dir), seq_length=64),
+                                        Layout.build(2, dp_rank, micro_batch_size=2), seed=3,
+                                        return_tensors="np"))
 
 
 def test_ranks_split_the_global_batch_and_workers_do_not_matter(dataset):
@@ -47,25 +58,19 @@ def test_resume_is_exact(dataset):
 
 
 def test_torch_batch_and_whole_word(dataset, tokenizer):
-    (b,) = _take(dataset, 1, return_tensors="pt", whole_word_mask=True, vocab_size=1000)
+    (b,) = _take(dataset, 1, return_tensors="pt", whole_word_mask=True)
     assert set(b) == {"input_ids", "attention_mask", "token_type_ids", "masked_positions",
                       "masked_labels", "masked_weights"}
     assert {k: v.dtype for k, v in b.items()} == {
         k: torch.from_numpy(np.zeros(0, dtype)).dtype for k, dtype in BATCH_DTYPES.items()}
     assert b["attention_mask"].dtype == torch.int64 and b["input_ids"].shape == (2, 64)
     assert b["masked_positions"].shape == (2, 16) and b["masked_weights"].sum() > 0
-    with pytest.raises(DataError, match="vocab_size=999"):
-        _take(dataset, 1, vocab_size=999)
 
 
 def test_validation_loader(dataset):
-    a = list(build_validation_loader(str(dataset), None, 64, 2, dp_rank=0, dp_size=2, seed=3,
-                                     return_tensors="np"))
-    b = list(build_validation_loader(str(dataset), None, 64, 2, dp_rank=1, dp_size=2, seed=3,
-                                     return_tensors="np"))
+    a, b = _validation(dataset, 0), _validation(dataset, 1)
     assert len(a) == len(b) > 0
-    again = list(build_validation_loader(str(dataset), None, 64, 2, dp_rank=0, dp_size=2,
-                                         seed=3, return_tensors="np"))
+    again = _validation(dataset, 0)
     np.testing.assert_array_equal(a[0]["input_ids"], again[0]["input_ids"])
     assert not np.array_equal(a[0]["input_ids"], b[0]["input_ids"])
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from megatron_rembert.data.sampler import MultilingualSampler, language_weights, rank_sample_indices
+from megatron_rembert.parallel.layout import Layout
 
 
 def test_language_weights():
@@ -47,20 +48,21 @@ def test_proportions_and_epochs():
 @pytest.mark.parametrize("dp_size, micro", [(1, 4), (2, 2), (4, 1), (4, 2)])
 def test_ranks_disjoint_and_complete(dp_size, micro):
     G, steps = 8, 5
+    ranks = [Layout.build(dp_size, r, micro_batch_size=micro, global_batch_size=G)
+             for r in range(dp_size)]
     seen = []
     for step in range(steps):
-        for r in range(dp_size):
-            for j in range(G // (micro * dp_size)):
-                seen.append(rank_sample_indices(step, j, G, micro, r, dp_size))
+        for layout in ranks:
+            for j in range(layout.gas):
+                seen.append(rank_sample_indices(step, j, layout))
     seen = np.concatenate(seen)
     assert len(seen) == len(set(seen.tolist())) == G * steps
     assert set(seen.tolist()) == set(range(G * steps))
     # rank r's slice of a step is contiguous: the r-th G/dp of the global batch
-    r1 = np.concatenate([rank_sample_indices(2, j, G, micro, dp_size - 1, dp_size)
-                         for j in range(G // (micro * dp_size))])
+    r1 = np.concatenate([rank_sample_indices(2, j, ranks[-1]) for j in range(ranks[-1].gas)])
     np.testing.assert_array_equal(r1, np.arange(3 * G - G // dp_size, 3 * G))
 
 
-def test_bad_batch_sizes():
-    with pytest.raises(ValueError, match="multiple"):
-        rank_sample_indices(0, 0, 10, 4, 0, 2)
+def test_micro_step_outside_the_step():
+    with pytest.raises(ValueError, match="micro_step 2 not in"):
+        rank_sample_indices(0, 2, Layout(dp=2, micro_batch_size=2, gas=2))

@@ -4,11 +4,12 @@ import torch
 
 from megatron_rembert.parallel import random as tp_random
 from megatron_rembert.parallel import state
+from megatron_rembert.parallel.layout import Layout
 from tests.distributed import run_distributed
 
 
 def _draws(rank, world_size):
-    state.initialize_model_parallel(tp=world_size)
+    state.initialize_model_parallel(Layout.build(world_size, rank, tp=world_size))
     tp_random.seed_all(7)
     shared_before = torch.rand(4)
     with tp_random.tp_rng():

@@ -7,6 +7,7 @@ import torch.distributed as dist
 from megatron_rembert.model.rembert import RemBertForPreTraining
 from megatron_rembert.model.transformer import TransformerLayer
 from megatron_rembert.parallel import state
+from megatron_rembert.parallel.layout import Layout
 from megatron_rembert.parallel.mappings import ALL_REDUCE_COUNTS
 from tests.distributed import run_distributed
 from tests.model.helpers import random_batch, small_config
@@ -38,7 +39,7 @@ def train_step(config, batch):
 
 
 def _tp_worker(rank, world_size, config, batch):
-    state.initialize_model_parallel(tp=world_size)
+    state.initialize_model_parallel(Layout.build(world_size, rank, tp=world_size))
     try:
         result = train_step(config, batch)
     finally:
@@ -71,7 +72,7 @@ def test_tp_matches_single_process(tp, changes):
 
 
 def _count_worker(rank, world_size, config):
-    state.initialize_model_parallel(tp=world_size)
+    state.initialize_model_parallel(Layout.build(world_size, rank, tp=world_size))
     layer = TransformerLayer(config)
     x = torch.randn(2, 7, config.hidden_size, requires_grad=True)
     mask = torch.ones(2, 7, dtype=torch.bool)
@@ -105,7 +106,7 @@ def test_one_all_reduce_per_block():
 
 
 def _groups_worker(rank, world_size, tp, pp):
-    s = state.initialize_model_parallel(tp=tp, pp=pp)
+    s = state.initialize_model_parallel(Layout.build(world_size, rank, tp=tp, pp=pp))
     sums = {}
     for name, group in (("tp", s.tp_group), ("dp", s.dp_group), ("pp", s.pp_group),
                         ("model", s.model_group)):

@@ -85,13 +85,13 @@ def train_worker(rank, world_size, overrides, fp16_on_cpu=False):
         allow_cpu_fp16()
     deepspeed.init_distributed(dist_backend="gloo")
     config = build_config({"model": {"preset": "tiny"}}, overrides)
-    dp = validate_config(config, world_size)
-    s = state.initialize_model_parallel(config.parallel.tp, config.parallel.pp)
-    trainer = Trainer(config, dp, torch.device("cpu"))
+    layout = validate_config(config, world_size, rank)
+    s = state.initialize_model_parallel(layout)
+    trainer = Trainer(config, layout, torch.device("cpu"))
     initial = {n: _master(p) for n, p in local_parameters(trainer.engine.module)}
     out = []
     for step in range(config.train.steps):
-        batches = micro_batches(step, GLOBAL_BATCH, MICRO, s.dp_rank, dp,
+        batches = micro_batches(step, GLOBAL_BATCH, MICRO, s.dp_rank, layout.dp,
                                 config.model.vocab_size)
         before = [p.detach().clone() for p in trainer.engine.module.parameters()]
         stats = trainer.train_step(batches)
@@ -101,7 +101,8 @@ def train_worker(rank, world_size, overrides, fp16_on_cpu=False):
                     stats.skipped, stats.lr, changed))
     # Validation on the trained model: a global batch not seen in training.
     evaluation = trainer.eval_step(micro_batches(config.train.steps + 1, GLOBAL_BATCH, MICRO,
-                                                 s.dp_rank, dp, config.model.vocab_size))
+                                                 s.dp_rank, layout.dp,
+                                                 config.model.vocab_size))
     # How far training moved each whole fp32 master weight: ||w_T - w_0||, TP shards summed.
     moved = {}
     for name, param in local_parameters(trainer.engine.module):

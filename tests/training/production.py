@@ -141,6 +141,7 @@ def reference_run(path: str, sets: list[str]) -> Run:
     """Plain torch, fp32, one process, each global batch in one piece."""
     from megatron_rembert.data.loader import build_pretraining_loader
     from megatron_rembert.model.rembert import RemBertForPreTraining
+    from megatron_rembert.parallel.layout import Layout
     from megatron_rembert.training.config import load_config
     from megatron_rembert.training.optim import build_optimizer, build_scheduler
 
@@ -151,11 +152,9 @@ def reference_run(path: str, sets: list[str]) -> Run:
     model.init_weights(train.seed)
     optimizer = build_optimizer(model, config)
     scheduler = build_scheduler(optimizer, config)
-    loader = build_pretraining_loader(
-        data.path, None, data.seq_length, train.global_batch_size, train.global_batch_size,
-        seed=train.seed, alpha=data.alpha, mask_prob=data.mask_prob,
-        whole_word_mask=data.whole_word_mask, vocab_size=config.model.vocab_size,
-        max_predictions=data.max_predictions or None, num_workers=0)
+    # The whole global batch as one micro-batch.
+    layout = Layout(micro_batch_size=train.global_batch_size)
+    loader = build_pretraining_loader(data, layout, seed=train.seed, num_workers=0)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     run = Run()
     for _ in range(train.steps):

@@ -73,7 +73,7 @@ def test_deepspeed_dict_gets_every_number_from_our_config(tmp_path):
     config = load_config(ROOT / "configs/rembert.yaml", ["parallel.ds_config="
                                                          + str(ROOT / "ds_configs/zero2_bf16.json"),
                                                          "parallel.zero_stage=2"])
-    ds = deepspeed_config(config, dp=16)
+    ds = deepspeed_config(config, validate_config(config, 32))  # tp 2 x dp 16
     assert ds["train_batch_size"] == 2048 and ds["train_micro_batch_size_per_gpu"] == 16
     assert ds["gradient_accumulation_steps"] == 8 and ds["gradient_clipping"] == 1.0
     assert ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
@@ -83,7 +83,7 @@ def test_deepspeed_dict_gets_every_number_from_our_config(tmp_path):
     bad.write_text(json.dumps({"train_batch_size": 4}))
     config.parallel.ds_config = str(bad)
     with pytest.raises(ConfigError, match="sets \\['train_batch_size'\\]"):
-        deepspeed_config(config, dp=16)
+        deepspeed_config(config, validate_config(config, 32))
 
 
 def test_lr_schedule_warmup_then_linear_decay():
@@ -102,8 +102,8 @@ def _tiny(tiny_dataset, *sets):
 
 
 def test_inputs_accepted(tiny_dataset):
-    dp, sha = check_inputs(_tiny(tiny_dataset), 2, torch.device("cpu"))
-    assert dp == 2 and len(sha) == 64
+    layout, sha = check_inputs(_tiny(tiny_dataset), 2, torch.device("cpu"), rank=1)
+    assert (layout.dp, layout.dp_rank) == (2, 1) and len(sha) == 64
 
 
 def test_missing_data_folder(tiny_dataset, tmp_path):
@@ -146,7 +146,7 @@ def test_fp16_on_cpu_only_where_deepspeed_allows_it(tiny_dataset, monkeypatch, c
     monkeypatch.setattr(get_accelerator(), "is_fp16_supported", lambda: cpu_has_fp16)
     config = _tiny(tiny_dataset, "train.precision=fp16")
     if cpu_has_fp16:
-        assert check_inputs(config, 1, torch.device("cpu"))[0] == 1
+        assert check_inputs(config, 1, torch.device("cpu"))[0].dp == 1
     else:
         with pytest.raises(ConfigError, match="fp16 needs a GPU"):
             check_inputs(config, 1, torch.device("cpu"))
