@@ -94,13 +94,17 @@ def test_shard_checksums_checked_off_thread_before_use(dataset, tmp_path, monkey
         return real(path)
 
     monkeypatch.setattr(shards, "sha256_file", sha256_file)
-    loader = build_pretraining_loader(str(copy), None, 64, 2, 8, num_workers=0)
+    data = DataConfig(path=str(copy), seq_length=64)
+    loader = build_pretraining_loader(data, Layout.build(1, 0, micro_batch_size=2,
+                                                         global_batch_size=8),
+                                      seed=11, num_workers=0)
     # The first micro-batch is held back: no sample of a shard that fails reaches the trainer.
     with pytest.raises(DataError, match=r"train-\d+\.arrow: sha256 differs from the manifest"):
         next(loader)
     # Sound validation shards pass; each file is hashed once per process, off this thread.
     for _ in range(2):
-        assert len(list(build_validation_loader(str(copy), None, 64, 2, return_tensors="np")))
+        assert len(list(build_validation_loader(data, Layout.build(1, 0, micro_batch_size=2),
+                                                seed=3, return_tensors="np")))
     assert {thread for thread, _ in hashed} == {"shard-sha256"}
     names = [name for _, name in hashed]
     assert len(names) == len(set(names)) and any("-valid-" in name for name in names)
