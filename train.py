@@ -42,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config, args.set)
         # Ranges and paths, before torch.distributed, DeepSpeed or the model start.
         check_settings(config)
+        if config.parallel.ds_config:  # read and checked here, --dry-run included
+            from megatron_rembert.training.optim import load_ds_config
+
+            load_ds_config(config.parallel.ds_config)
         if args.world_size is not None and args.world_size < 1:
             raise ConfigError(f"--world-size {args.world_size}: must be >= 1")
         if args.dry_run:
