@@ -24,6 +24,8 @@ def test_demo_quick_twice(tmp_path):
     run = _demo(out, "--quick")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "TensorBoard" in run.stdout and "checkpoints" in run.stdout
+    assert "training SentencePiece" in run.stdout  # progress of the long stages
+    assert "| elapsed 0:0" in run.stdout and "| eta 0:0" in run.stdout
     rows = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
     train = [r["loss"] for r in rows if r["split"] == "train"]
     assert len(train) == 8 and train[-1] < train[0] - 0.5

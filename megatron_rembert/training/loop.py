@@ -20,7 +20,13 @@ from megatron_rembert.parallel import random as tp_random
 from megatron_rembert.training import checkpoint as ckpt
 from megatron_rembert.training.config import Config, validate_config
 from megatron_rembert.training.hang import POSITION, Watchdog, describe, is_collective_failure
-from megatron_rembert.training.metrics import MetricsLogger, format_line, memory_gib, peak_flops
+from megatron_rembert.training.metrics import (
+    MetricsLogger,
+    StepClock,
+    format_line,
+    memory_gib,
+    peak_flops,
+)
 from megatron_rembert.training.signals import StopFlag
 
 
@@ -184,6 +190,7 @@ def _train(config: Config, rank: int, world: int, device: torch.device, stop: St
     nonfinite = 0
     last_saved = step if step else None
     last = {}
+    clock = StepClock(step, train_cfg.steps)
     while step < train_cfg.steps:
         start = time.perf_counter()
         POSITION.set(step=step + 1, phase="train step", detail="loading data")
@@ -211,7 +218,7 @@ def _train(config: Config, rank: int, world: int, device: torch.device, stop: St
             last["mfu"] = last["tflops_per_gpu"] * 1e12 / peak
         if step % train_cfg.log_interval == 0 or step == train_cfg.steps:
             log.log(step, last)
-            log.console(format_line(step, train_cfg.steps, last))
+            log.console(format_line(step, train_cfg.steps, last, *clock.times(step)))
         if train_cfg.eval_interval and step % train_cfg.eval_interval == 0:
             POSITION.set(phase="validation")
             evaluate(trainer, config, s.dp_rank, dp, sha, step, log)

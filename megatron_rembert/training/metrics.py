@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import resource
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -63,7 +65,36 @@ class MetricsLogger:
             self.jsonl.close()
 
 
-def format_line(step: int, total: int, v: dict) -> str:
+def format_duration(seconds: float) -> str:
+    """h:mm:ss (hours unbounded: a month-long run shows 720:00:00)."""
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
+
+
+class StepClock:
+    """Elapsed wall time of this run (since the loop started, after a resume too) and the ETA
+    of the last step. The ETA uses the mean step time since the first logged step: the steps
+    before it include the warm-up (the first batches, compilation, DeepSpeed's first step)."""
+
+    def __init__(self, start_step: int, total_steps: int,
+                 now: Callable[[], float] = time.monotonic):
+        self.total, self.now = total_steps, now
+        self.start = (start_step, now())
+        self.first_logged: tuple[int, float] | None = None
+
+    def times(self, step: int) -> tuple[float, float]:
+        """(elapsed seconds, ETA seconds) at `step`."""
+        t = self.now()
+        ref_step, ref_t = self.first_logged or self.start
+        if self.first_logged is None:
+            self.first_logged = (step, t)
+        per_step = (t - ref_t) / max(1, step - ref_step)
+        return t - self.start[1], per_step * max(0, self.total - step)
+
+
+def format_line(step: int, total: int, v: dict, elapsed_s: float | None = None,
+                eta_s: float | None = None) -> str:
     parts = [f"step {step:>7}/{total}", f"loss {v['loss']:.4f}", f"acc {v['mlm_acc']:.3f}",
              f"lr {v['lr']:.3e}"]
     if v.get("grad_norm") is not None:
@@ -74,4 +105,8 @@ def format_line(step: int, total: int, v: dict) -> str:
     if v.get("mfu") is not None:
         parts.append(f"{v['tflops_per_gpu']:.1f} TFLOP/s/GPU mfu {v['mfu']:.1%}")
     parts.append(f"mem {v['memory']:.2f} GiB")
+    if elapsed_s is not None:
+        parts.append(f"elapsed {format_duration(elapsed_s)}")
+    if eta_s is not None:
+        parts.append(f"eta {format_duration(eta_s)}")
     return " | ".join(parts)
