@@ -90,6 +90,9 @@ class TrainConfig:
     save_dir: str = "runs/checkpoints"
     log_dir: str = "runs/logs"
     max_nonfinite_steps: int = 10  # stop after this many non-finite losses in a row
+    # Weights & Biases project ("" = off; wandb is imported only when set; WANDB_MODE=offline
+    # logs into train.log_dir/wandb without a network)
+    wandb_project: str = ""
 
 
 @dataclass

@@ -160,7 +160,8 @@ def _train(config: Config, rank: int, world: int, device: torch.device, stop: St
     POSITION.set(step=0, phase="start-up")
     dp, sha = check_inputs(config, world, device)
     s = state.initialize_model_parallel(config.parallel.tp, config.parallel.pp)
-    log = MetricsLogger(config.train.log_dir, enabled=rank == 0)
+    log = MetricsLogger(config.train.log_dir, enabled=rank == 0, run_config=config.to_dict(),
+                        wandb_project=config.train.wandb_project)
     trainer = Trainer(config, dp, device)
     # Dropout streams seeded after the model is built: building draws from the default stream
     # (torch's own initialisation, overwritten by ours), as many numbers as the modules this
