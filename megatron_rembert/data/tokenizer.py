@@ -168,8 +168,9 @@ def train_tokenizer(
             if info := _existing_info(output_prefix, sample_sha256, trainer):
                 return {**info, "reused": True}
             raise DataError(f"{model_path} exists and was trained from another corpus or with "
-                            "other settings; pass another --out, or --overwrite to replace it "
-                            "(datasets made with it would then refuse the new one).")
+                            "other settings (or by an older version, which did not record them); "
+                            "pass another --out, or --overwrite to replace it (datasets made "
+                            "with it would then refuse the new one).")
         say(f"training SentencePiece: {vocab_size:,} pieces, {threads} threads "
             f"(the long stage; --verbose shows its log)")
         try:

@@ -24,6 +24,7 @@ def test_yaml_number_for_a_string_key_says_to_quote_it():
     ("train.stpes=5", r"unknown key train.stpes; did you mean train.steps\?"),
     ("optim.learning_rate=1", r"unknown key optim.learning_rate \(train.py --help"),
     ("trian.steps=5", r"unknown config section 'trian'; did you mean train\?"),
+    ("model.preset=rembrt", r"unknown model preset 'rembrt'; did you mean rembert\?"),
 ])
 def test_unknown_key_suggests_the_close_one(item, message):
     with pytest.raises(ConfigError, match=message) as err:
