@@ -11,6 +11,7 @@ before any heavy work); 130 a second Ctrl-C (no save; the last complete checkpoi
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 
@@ -42,6 +43,13 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config, args.set)
         # Ranges and paths, before torch.distributed, DeepSpeed or the model start.
         check_settings(config)
+        if config.parallel.ds_config:  # read and checked here, --dry-run included
+            from megatron_rembert.training.optim import load_ds_config
+
+            load_ds_config(config.parallel.ds_config)
+        if config.train.wandb_project and importlib.util.find_spec("wandb") is None:
+            raise ConfigError(f"train.wandb_project={config.train.wandb_project}: wandb is not "
+                              "installed; pip install wandb, or leave train.wandb_project empty")
         if args.world_size is not None and args.world_size < 1:
             raise ConfigError(f"--world-size {args.world_size}: must be >= 1")
         if args.dry_run:

@@ -2,7 +2,11 @@
 
 Text is sampled per language with probability proportional to n_l^alpha, so small languages
 are covered. Writes PREFIX.model, PREFIX.vocab and PREFIX.json (special ids
-[PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4, the model's sha256, per-language sampling). Example:
+[PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4, the model's sha256, per-language sampling).
+
+The same corpus and settings (--threads included) give a byte-identical .model. A rerun whose
+tokenizer already exists says so and keeps it when it was trained from the same sample and
+settings, and refuses when it was not (unless --overwrite). Example:
 
     python data_tools/train_tokenizer.py --corpus demo_out/corpus --out demo_out/spm \\
         --vocab-size 8000
@@ -37,6 +41,8 @@ def main() -> None:
     p.add_argument("--no-hard-vocab-limit", action="store_true",
                    help="allow a smaller vocabulary than --vocab-size on small corpora")
     p.add_argument("--verbose", action="store_true", help="show SentencePiece's log")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a tokenizer at --out trained from another corpus or settings")
     a = p.parse_args()
     # Output checks first: a failure after hours of training would lose the tokenizer.
     if os.path.isdir(a.out):
@@ -46,13 +52,19 @@ def main() -> None:
     try:
         info = train_tokenizer(a.corpus, a.out, a.vocab_size, a.alpha, a.character_coverage,
                                a.threads, a.max_sentences, a.seed, a.languages, a.max_line_bytes,
-                               not a.no_hard_vocab_limit, a.verbose)
+                               not a.no_hard_vocab_limit, a.verbose,
+                               existing="overwrite" if a.overwrite else "reuse",
+                               progress=lambda line: print(line, flush=True))
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)  # bad input (docs/data.md)
     except OSError as e:  # the file system failed while writing: nothing committed is damaged
         print(f"error: {write_failure(e)}; free space and rerun the same command", file=sys.stderr)
         sys.exit(1)
+    if info.get("reused"):
+        print(f"already done: {a.out}.model was trained from the same sample and settings "
+              f"(sha256 {info['sha256']})")
+        return
     print(f"wrote {a.out}.model ({info['vocab_size']:,} pieces, sha256 {info['sha256']})")
     for lang, v in info["languages"].items():
         print(f"{lang:10s} chunks {v['chunks']:>10,}  sampled {v['sampled']:>10,}  "

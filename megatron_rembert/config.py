@@ -8,6 +8,7 @@ of its Section 4.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from dataclasses import dataclass
 
@@ -174,5 +175,7 @@ PRESETS: dict[str, ModelConfig] = {
 
 def get_preset(name: str) -> ModelConfig:
     if name not in PRESETS:
-        raise ConfigError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
+        close = difflib.get_close_matches(str(name), list(PRESETS), n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise ConfigError(f"unknown model preset {name!r}; {hint}choose one of {sorted(PRESETS)}")
     return dataclasses.replace(PRESETS[name])

@@ -16,8 +16,19 @@ from pathlib import Path
 from megatron_rembert.convert.files import ConvertError
 from megatron_rembert.data.common import SPECIAL_PIECES, sha256_file
 
+HF_EXTRA_HINT = "pip install 'megatron-rembert[hf]' (in a clone: pip install -e '.[hf]')"
+
+
+def _require_tokenizers() -> None:
+    try:
+        import tokenizers  # noqa: F401
+    except ImportError as err:
+        raise ConvertError(f"writing transformers tokenizer files needs the `tokenizers` "
+                           f"library: {HF_EXTRA_HINT}") from err
+
 
 def check_tokenizer(path: Path, vocab_size: int, expected_sha: str | None) -> None:
+    _require_tokenizers()  # before any weight is converted
     if not path.is_file():
         raise ConvertError(f"--tokenizer {path}: no such file")
     if expected_sha and sha256_file(path) != expected_sha:
@@ -38,6 +49,8 @@ def check_tokenizer(path: Path, vocab_size: int, expected_sha: str | None) -> No
 def write_tokenizer(spm_path: Path, out: Path, max_length: int) -> None:
     """Write tokenizer.json, tokenizer_config.json and sentencepiece.model into `out`."""
     from sentencepiece import sentencepiece_model_pb2
+
+    _require_tokenizers()
     from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
     from tokenizers.models import Unigram
 

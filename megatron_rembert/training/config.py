@@ -15,6 +15,7 @@ gradient accumulation from tp, pp, the batch sizes and the world size) is derive
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 import re
 from dataclasses import dataclass, field
@@ -80,6 +81,9 @@ class TrainConfig:
     save_dir: str = "runs/checkpoints"
     log_dir: str = "runs/logs"
     max_nonfinite_steps: int = 10  # stop after this many non-finite losses in a row
+    # Weights & Biases project ("" = off; wandb is imported only when set; WANDB_MODE=offline
+    # logs into train.log_dir/wandb without a network)
+    wandb_project: str = ""
 
 
 @dataclass
@@ -174,17 +178,41 @@ def _coerce(value, annotation, key: str):
         except ValueError:
             pass
     if (kind is not bool and isinstance(value, bool)) or not isinstance(value, kind):
-        raise ConfigError(f"{key}: expected {getattr(kind, '__name__', kind)}, got {value!r}")
+        hint = f" (quote it in YAML: '{value}')" if kind is str else ""
+        raise ConfigError(f"{key}: expected {kind.__name__}, got {value!r}{hint}")
     return value
+
+
+def _did_you_mean(name: str, choices, prefix: str = "") -> str:
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f"; did you mean {prefix}{close[0]}?" if close else ""
+
+
+def _section_fields(section: str) -> dict:
+    """The fields of a config section (model.preset included), by name."""
+    fields = {f.name: f for f in dataclasses.fields(_SECTIONS[section].default_factory())}
+    return {"preset": None, **fields} if section == "model" else fields
 
 
 def _set_field(section_obj, section: str, name: str, value) -> None:
     fields = {f.name: f for f in dataclasses.fields(section_obj)}
     if name not in fields:
-        raise ConfigError(f"unknown key {section}.{name}; known keys: "
-                          + ", ".join(f"{section}.{k}" for k in sorted(fields)))
+        hint = _did_you_mean(name, _section_fields(section), f"{section}.")
+        raise ConfigError(f"unknown key {section}.{name}{hint} (train.py --help lists every key)")
     # With postponed annotations the field types are the strings "int", "float", "str", "bool".
     setattr(section_obj, name, _coerce(value, fields[name].type, f"{section}.{name}"))
+
+
+def _override_value(section: str, name: str, text: str):
+    """The value of `--set section.name=text`: the text itself for a string key (a folder
+    named 2024 stays "2024"), else a YAML scalar (numbers, true/false)."""
+    fields = _section_fields(section) if section in _SECTIONS else {}
+    if (section, name) == ("model", "preset") or getattr(fields.get(name), "type", None) == "str":
+        return text
+    try:
+        return yaml.safe_load(text) if text else ""
+    except yaml.YAMLError:
+        return text  # not a YAML scalar: kept as text; the key's type check names it
 
 
 def build_config(raw: dict, overrides: list[str] = ()) -> Config:
@@ -198,14 +226,11 @@ def build_config(raw: dict, overrides: list[str] = ()) -> Config:
         if key.count(".") != 1:
             raise ConfigError(f"--set {key}: expected SECTION.KEY, e.g. parallel.tp=2")
         section, name = key.split(".")
-        try:
-            value = yaml.safe_load(text) if text else ""
-        except yaml.YAMLError:
-            value = text  # not a YAML scalar: kept as text; the key's type check names it
-        raw.setdefault(section, {})[name] = value
-    unknown = set(raw) - set(_SECTIONS)
+        raw.setdefault(section, {})[name] = _override_value(section, name, text)
+    unknown = sorted(set(raw) - set(_SECTIONS))
     if unknown:
-        raise ConfigError(f"unknown config section(s) {sorted(unknown)}; expected "
+        raise ConfigError(f"unknown config section {unknown[0]!r}"
+                          f"{_did_you_mean(unknown[0], _SECTIONS)}; expected one of "
                           f"{sorted(_SECTIONS)}")
     model_raw = raw.pop("model", {})
     preset = model_raw.pop("preset", "rembert")

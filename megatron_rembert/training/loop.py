@@ -21,7 +21,13 @@ from megatron_rembert.parallel.layout import Layout
 from megatron_rembert.training import checkpoint as ckpt
 from megatron_rembert.training.config import Config, validate_config
 from megatron_rembert.training.hang import POSITION, Watchdog, describe, is_collective_failure
-from megatron_rembert.training.metrics import MetricsLogger, format_line, memory_gib, peak_flops
+from megatron_rembert.training.metrics import (
+    MetricsLogger,
+    StepClock,
+    format_line,
+    memory_gib,
+    peak_flops,
+)
 from megatron_rembert.training.signals import StopFlag
 
 
@@ -158,7 +164,8 @@ def _train(config: Config, rank: int, world: int, device: torch.device, stop: St
     POSITION.set(step=0, phase="start-up")
     layout, sha = check_inputs(config, world, device, rank)
     state.initialize_model_parallel(layout)
-    log = MetricsLogger(config.train.log_dir, enabled=rank == 0)
+    log = MetricsLogger(config.train.log_dir, enabled=rank == 0, run_config=config.to_dict(),
+                        wandb_project=config.train.wandb_project)
     trainer = Trainer(config, layout, device)
     # Dropout streams seeded after the model is built: building draws from the default stream
     # (torch's own initialisation, overwritten by ours), as many numbers as the modules this
@@ -184,6 +191,7 @@ def _train(config: Config, rank: int, world: int, device: torch.device, stop: St
     nonfinite = 0
     last_saved = step if step else None
     last = {}
+    clock = StepClock(step, train_cfg.steps)
     while step < train_cfg.steps:
         start = time.perf_counter()
         POSITION.set(step=step + 1, phase="train step", detail="loading data")
@@ -211,7 +219,7 @@ def _train(config: Config, rank: int, world: int, device: torch.device, stop: St
             last["mfu"] = last["tflops_per_gpu"] * 1e12 / peak
         if step % train_cfg.log_interval == 0 or step == train_cfg.steps:
             log.log(step, last)
-            log.console(format_line(step, train_cfg.steps, last))
+            log.console(format_line(step, train_cfg.steps, last, *clock.times(step)))
         if train_cfg.eval_interval and step % train_cfg.eval_interval == 0:
             POSITION.set(phase="validation")
             evaluate(trainer, config, sha, step, log)

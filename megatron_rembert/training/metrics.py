@@ -5,9 +5,13 @@ from __future__ import annotations
 import json
 import resource
 import sys
+import time
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import yaml
 
 # Dense bf16 peak FLOP/s per GPU (vendor data sheets, without sparsity).
 PEAK_BF16_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12}
@@ -29,12 +33,18 @@ def memory_gib(device: torch.device) -> float:
 
 
 class MetricsLogger:
-    """Writes on global rank 0 only; other ranks get a logger that does nothing."""
+    """Writes on global rank 0 only; other ranks get a logger that does nothing.
 
-    def __init__(self, log_dir: str | Path, enabled: bool):
+    `run_config` (the run's settings) goes to TensorBoard as text and to W&B as its config.
+    `wandb_project`: also log to that Weights & Biases project (wandb is imported only then);
+    the run id is kept in log_dir/wandb_run_id, so a resumed run continues the same W&B run."""
+
+    def __init__(self, log_dir: str | Path, enabled: bool, run_config: dict | None = None,
+                 wandb_project: str = ""):
         self.enabled = enabled
         self.writer = None
         self.jsonl = None
+        self.wandb_run = None
         if enabled:
             log_dir = Path(log_dir)
             log_dir.mkdir(parents=True, exist_ok=True)
@@ -42,13 +52,22 @@ class MetricsLogger:
 
             self.writer = SummaryWriter(str(log_dir))
             self.jsonl = open(log_dir / "metrics.jsonl", "a")
+            if run_config is not None:
+                # Indented: TensorBoard renders text as Markdown, and this keeps it verbatim.
+                text = yaml.safe_dump(run_config, sort_keys=False)
+                self.writer.add_text("config", "    " + text.replace("\n", "\n    "))
+            if wandb_project:
+                self.wandb_run = _start_wandb(wandb_project, log_dir, run_config)
 
     def log(self, step: int, values: dict, prefix: str = "train") -> None:
         if not self.enabled:
             return
-        for key, value in values.items():
-            if isinstance(value, (int, float)) and key != "step":
-                self.writer.add_scalar(f"{prefix}/{key}", value, step)
+        scalars = {f"{prefix}/{key}": value for key, value in values.items()
+                   if isinstance(value, (int, float)) and key != "step"}
+        for tag, value in scalars.items():
+            self.writer.add_scalar(tag, value, step)
+        if self.wandb_run is not None:
+            self.wandb_run.log(scalars, step=step)
         self.jsonl.write(json.dumps({"split": prefix, "step": step, **values}) + "\n")
         self.jsonl.flush()
         self.writer.flush()
@@ -61,9 +80,50 @@ class MetricsLogger:
         if self.enabled:
             self.writer.close()
             self.jsonl.close()
+            if self.wandb_run is not None:
+                self.wandb_run.finish()
 
 
-def format_line(step: int, total: int, v: dict) -> str:
+def _start_wandb(project: str, log_dir: Path, run_config: dict | None):
+    import wandb
+
+    id_file = log_dir / "wandb_run_id"
+    run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
+    id_file.write_text(run_id + "\n")
+    return wandb.init(project=project, id=run_id, resume="allow", dir=str(log_dir),
+                      config=run_config)
+
+
+def format_duration(seconds: float) -> str:
+    """h:mm:ss (hours unbounded: a month-long run shows 720:00:00)."""
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
+
+
+class StepClock:
+    """Elapsed wall time of this run (since the loop started, after a resume too) and the ETA
+    of the last step. The ETA uses the mean step time since the first logged step: the steps
+    before it include the warm-up (the first batches, compilation, DeepSpeed's first step)."""
+
+    def __init__(self, start_step: int, total_steps: int,
+                 now: Callable[[], float] = time.monotonic):
+        self.total, self.now = total_steps, now
+        self.start = (start_step, now())
+        self.first_logged: tuple[int, float] | None = None
+
+    def times(self, step: int) -> tuple[float, float]:
+        """(elapsed seconds, ETA seconds) at `step`."""
+        t = self.now()
+        ref_step, ref_t = self.first_logged or self.start
+        if self.first_logged is None:
+            self.first_logged = (step, t)
+        per_step = (t - ref_t) / max(1, step - ref_step)
+        return t - self.start[1], per_step * max(0, self.total - step)
+
+
+def format_line(step: int, total: int, v: dict, elapsed_s: float | None = None,
+                eta_s: float | None = None) -> str:
     parts = [f"step {step:>7}/{total}", f"loss {v['loss']:.4f}", f"acc {v['mlm_acc']:.3f}",
              f"lr {v['lr']:.3e}"]
     if v.get("grad_norm") is not None:
@@ -74,4 +134,8 @@ def format_line(step: int, total: int, v: dict) -> str:
     if v.get("mfu") is not None:
         parts.append(f"{v['tflops_per_gpu']:.1f} TFLOP/s/GPU mfu {v['mfu']:.1%}")
     parts.append(f"mem {v['memory']:.2f} GiB")
+    if elapsed_s is not None:
+        parts.append(f"elapsed {format_duration(elapsed_s)}")
+    if eta_s is not None:
+        parts.append(f"eta {format_duration(eta_s)}")
     return " | ".join(parts)

@@ -15,27 +15,49 @@ from megatron_rembert.parallel.layout import Layout
 from megatron_rembert.training.config import Config
 from megatron_rembert.training.lamb import Lamb
 
-# Keys of the DeepSpeed config that our Config owns: a ds_config JSON may not set them.
-_OWNED_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu",
-               "gradient_accumulation_steps", "optimizer", "scheduler", "gradient_clipping")
+# Keys of the DeepSpeed config that our Config owns, and the key of ours that sets each: a
+# ds_config JSON may not set them (DeepSpeed would take them, or we would silently overwrite
+# them: one source of truth for every number).
+OWNED_DS_KEYS = {
+    "train_batch_size": "train.global_batch_size",
+    "train_micro_batch_size_per_gpu": "train.micro_batch_size",
+    "gradient_accumulation_steps": "train.global_batch_size and train.micro_batch_size",
+    "optimizer": "optim.* (name, lr, beta1, beta2, eps, weight_decay)",
+    "scheduler": "optim.* (warmup_steps, decay, min_lr)",
+    "gradient_clipping": "optim.clip_grad",
+    "bf16.enabled": "train.precision",
+    "fp16.enabled": "train.precision",
+    "zero_optimization.stage": "parallel.zero_stage",
+    "steps_per_print": "train.log_interval",
+}
+
+
+def load_ds_config(path: str | Path) -> dict:
+    """The user's DeepSpeed JSON, refused (ConfigError naming the file and key) if it is
+    missing, not a JSON object, or sets a key of OWNED_DS_KEYS."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"parallel.ds_config={path}: no such file")
+    try:
+        ds = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"parallel.ds_config={path}: not valid JSON ({err})") from err
+    if not isinstance(ds, dict):
+        raise ConfigError(f"parallel.ds_config={path}: expected a JSON object, got "
+                          f"{type(ds).__name__}")
+    for key, ours in OWNED_DS_KEYS.items():
+        parent, _, leaf = key.rpartition(".")
+        section = ds.get(parent) if parent else ds
+        if isinstance(section, dict) and leaf in section:
+            raise ConfigError(f"parallel.ds_config={path} sets {key}, which our config owns: "
+                              f"remove it from the JSON and set {ours} instead")
+    return ds
 
 
 def deepspeed_config(config: Config, layout: Layout) -> dict:
     """The DeepSpeed config dict: the optional JSON's knobs plus every number from our Config
     and the layout."""
-    ds: dict = {}
-    if config.parallel.ds_config:
-        path = Path(config.parallel.ds_config)
-        if not path.is_file():
-            raise ConfigError(f"parallel.ds_config={path}: no such file")
-        try:
-            ds = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"parallel.ds_config={path}: not valid JSON ({err})") from err
-        owned = [k for k in _OWNED_KEYS if k in ds]
-        if owned:
-            raise ConfigError(f"{path} sets {owned}: these come from our config (train.*, "
-                              "optim.*); remove them from the JSON")
+    ds = load_ds_config(config.parallel.ds_config) if config.parallel.ds_config else {}
     train = config.train
     ds.update(train_batch_size=layout.global_batch_size,
               train_micro_batch_size_per_gpu=layout.micro_batch_size,

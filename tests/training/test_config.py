@@ -82,7 +82,7 @@ def test_deepspeed_dict_gets_every_number_from_our_config(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"train_batch_size": 4}))
     config.parallel.ds_config = str(bad)
-    with pytest.raises(ConfigError, match="sets \\['train_batch_size'\\]"):
+    with pytest.raises(ConfigError, match="sets train_batch_size, .* train.global_batch_size"):
         deepspeed_config(config, validate_config(config, 32))
 
 

@@ -1,0 +1,38 @@
+"""Tokenizer training is reproducible: the .model's sha256 is the tokenizer's identity for
+datasets and checkpoints, so the same corpus and settings must give the same bytes."""
+
+import pytest
+
+from megatron_rembert.data.common import DataError
+from megatron_rembert.data.demo_corpus import make_demo_corpus
+from megatron_rembert.data.tokenizer import train_tokenizer
+
+
+@pytest.fixture(scope="module")
+def small_corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("c")
+    make_demo_corpus(d, size_mb=0.1, seed=3, languages=["latn_a", "cyrl"])
+    return d
+
+
+def test_same_corpus_and_settings_give_identical_model(small_corpus, tmp_path):
+    infos = [train_tokenizer(small_corpus, tmp_path / run / "spm", vocab_size=300,
+                             num_threads=2) for run in ("a", "b")]
+    a, b = ((tmp_path / run / "spm.model").read_bytes() for run in ("a", "b"))
+    assert a == b
+    assert infos[0]["sha256"] == infos[1]["sha256"]
+    assert b"sample.txt" in a and str(tmp_path).encode() not in a  # no temp path recorded
+
+
+def test_rerun_reuses_same_and_refuses_other_settings(small_corpus, tmp_path):
+    lines = []
+    first = train_tokenizer(small_corpus, tmp_path / "spm", vocab_size=300, num_threads=1)
+    again = train_tokenizer(small_corpus, tmp_path / "spm", vocab_size=300, num_threads=1,
+                            existing="reuse", progress=lines.append)
+    assert again["reused"] and again["sha256"] == first["sha256"]
+    assert not any("training SentencePiece" in line for line in lines)
+    before = (tmp_path / "spm.model").read_bytes()
+    with pytest.raises(DataError, match="spm.model exists and was trained .* --overwrite"):
+        train_tokenizer(small_corpus, tmp_path / "spm", vocab_size=320, num_threads=1,
+                        existing="reuse")
+    assert (tmp_path / "spm.model").read_bytes() == before
