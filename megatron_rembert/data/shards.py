@@ -34,6 +34,7 @@ SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
 WORD_STARTS = "word_starts.npy"
 SPLITS = ("train", "valid")
+ARROW_FILE_MAGIC = b"ARROW1"  # first bytes of the IPC file format (shards of older datasets)
 
 
 def arrow_schema(seq_length: int) -> pa.Schema:
@@ -50,8 +51,8 @@ def write_shard(path: str | os.PathLike, rows: np.ndarray, lang: str, pad_id: in
     batch = pa.record_batch([ids, pa.array([lang] * n, pa.string())],
                             schema=arrow_schema(seq_length))
 
-    def write(f) -> None:
-        with pa.ipc.new_file(f, batch.schema) as w:
+    def write(f) -> None:  # the IPC stream format: what `datasets.Dataset.from_file` reads
+        with pa.ipc.new_stream(f, batch.schema) as w:
             w.write_batch(batch)
 
     atomic_write(path, write)
@@ -158,6 +159,22 @@ class _BackgroundChecksums:
 CHECKSUMS = _BackgroundChecksums()
 
 
+def read_shard_batches(path: str | os.PathLike, mmap: bool = True
+                       ) -> tuple[pa.Schema, list[pa.RecordBatch]]:
+    """The schema and record batches of a shard, memory-mapped (the batches' buffers point
+    into the map: nothing is copied; the file must not be rewritten while they live) or, with
+    `mmap=False`, read into memory. Shards are written in the Arrow IPC stream format;
+    datasets made before that used the IPC file format, which starts with `ARROW1`."""
+    source = pa.memory_map(str(path), "r") if mmap else pa.BufferReader(Path(path).read_bytes())
+    if source.read(6) == ARROW_FILE_MAGIC:
+        source.seek(0)
+        reader = pa.ipc.open_file(source)
+        return reader.schema, [reader.get_batch(i) for i in range(reader.num_record_batches)]
+    source.seek(0)
+    reader = pa.ipc.open_stream(source)
+    return reader.schema, list(reader)
+
+
 def open_shard(path: Path, entry: dict, seq_length: int) -> np.ndarray:
     """Memory-map one shard and return its ids as a zero-copy [rows, S] int32 view."""
     if not path.is_file():
@@ -168,13 +185,12 @@ def open_shard(path: Path, entry: dict, seq_length: int) -> np.ndarray:
         raise DataError(f"shard {path} has {size} bytes, the manifest says {entry['bytes']} "
                         "(truncated or modified); re-create it with preprocess.py.")
     try:
-        reader = pa.ipc.open_file(pa.memory_map(str(path), "r"))
-        if reader.schema != arrow_schema(seq_length) or reader.num_record_batches != 1:
-            raise DataError(f"shard {path} has schema {reader.schema} in "
-                            f"{reader.num_record_batches} batches, expected "
-                            f"{arrow_schema(seq_length)} in 1; it was not written by "
+        schema, batches = read_shard_batches(path)
+        if schema != arrow_schema(seq_length) or len(batches) != 1:
+            raise DataError(f"shard {path} has schema {schema} in {len(batches)} batches, "
+                            f"expected {arrow_schema(seq_length)} in 1; it was not written by "
                             "preprocess.py for this sequence length.")
-        ids = reader.get_batch(0).column(0)
+        ids = batches[0].column(0)
         flat = ids.values.to_numpy(zero_copy_only=True)
     except (pa.ArrowException, OSError) as e:
         raise DataError(f"shard {path} is not a readable Arrow file ({e}); re-create it.") from e

@@ -8,11 +8,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import pytest
 
 from megatron_rembert.data.demo_corpus import make_demo_corpus
 from megatron_rembert.data.preprocess import PreprocessConfig, preprocess
+from megatron_rembert.data.shards import read_shard_batches
 from megatron_rembert.data.tokenizer import train_tokenizer
 
 SEQ = 64
@@ -55,8 +55,8 @@ def set_token(shard: Path, row: int, position: int, value: int | Callable[[int],
     """Overwrite one token id in a shard file in place, with `value` or `value(old id)`. The
     size stays: only the checksum, or the range check, can tell."""
     data = bytearray(shard.read_bytes())
-    reader = pa.ipc.open_file(pa.BufferReader(bytes(data)))
-    ids = reader.get_batch(0).column(0).values.to_numpy().reshape(-1, SEQ)
+    _, (batch,) = read_shard_batches(shard, mmap=False)
+    ids = batch.column(0).values.to_numpy().reshape(-1, SEQ).copy()
     start = bytes(data).find(ids[row].tobytes())  # where the row's int32s lie in the file
     assert start >= 0 and bytes(data).count(ids[row].tobytes()) == 1
     offset = start + 4 * position
