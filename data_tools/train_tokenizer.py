@@ -8,7 +8,7 @@ The same corpus and settings (--threads included) give a byte-identical .model. 
 tokenizer already exists says so and keeps it when it was trained from the same sample and
 settings, and refuses when it was not (unless --overwrite). Example:
 
-    python data_tools/train_tokenizer.py --corpus demo_out/corpus --out demo_out/spm \\
+    python data_tools/train_tokenizer.py --corpus demo_out/corpus --out demo_out/tokenizer/spm \\
         --vocab-size 8000
 """
 
