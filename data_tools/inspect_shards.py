@@ -1,8 +1,10 @@
 """Summarise, verify or decode a dataset folder made by preprocess.py. Examples:
 
     python data_tools/inspect_shards.py demo_out/data
-    python data_tools/inspect_shards.py demo_out/data --verify --tokenizer demo_out/tokenizer/spm.model
-    python data_tools/inspect_shards.py demo_out/data --decode 3 --tokenizer demo_out/tokenizer/spm.model
+    python data_tools/inspect_shards.py demo_out/data --verify \\
+        --tokenizer demo_out/tokenizer/spm.model
+    python data_tools/inspect_shards.py demo_out/data --decode 3 \\
+        --tokenizer demo_out/tokenizer/spm.model
 
 Exit code 1 when --verify finds problems, 2 on an unreadable dataset.
 """

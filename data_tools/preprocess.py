@@ -4,8 +4,8 @@ Tokenises with worker processes, packs each language into [CLS] ... [SEP] rows o
 --seq-length tokens, writes train/ and valid/ shards and manifest.json. Restartable: rerun the
 same command after a kill and it resumes; finished shards are not redone. Example:
 
-    python data_tools/preprocess.py --corpus demo_out/corpus --tokenizer demo_out/tokenizer/spm.model \\
-        --out demo_out/data --seq-length 128
+    python data_tools/preprocess.py --corpus demo_out/corpus \\
+        --tokenizer demo_out/tokenizer/spm.model --out demo_out/data --seq-length 128
 """
 
 import argparse
