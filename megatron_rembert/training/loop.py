@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_rembert.checkpoint import folder as protocol
+from megatron_rembert.checkpoint.lock import SaveDirLock
 from megatron_rembert.config import ConfigError
 from megatron_rembert.data.common import sha256_file
 from megatron_rembert.data.loader import build_pretraining_loader, build_validation_loader
@@ -109,16 +111,46 @@ def check_inputs(config: Config, world_size: int, device: torch.device
 def _meta(config: Config, sha: str | None, world: int) -> dict:
     par = config.parallel
     return {"config": config.to_dict(), "tokenizer_sha256": sha,
+            "dataset_sha256": sha256_file(Path(config.data.path, "manifest.json")),
             "layout": {"tp": par.tp, "pp": par.pp, "dp": world // (par.tp * par.pp)}}
 
 
-def _resume(trainer, config: Config, world: int) -> tuple[int, int]:
-    folder = ckpt.find_latest(config.train.save_dir)
+def _lock_save_dir(config: Config) -> SaveDirLock:
+    """Rank 0 locks train.save_dir (which also proves it writable) before any heavy work;
+    every rank learns whether that worked."""
+    lock = SaveDirLock(config.train.save_dir)
+    error = None
+    if comm.rank() == 0:
+        try:
+            lock.acquire()
+        except ckpt.CheckpointError as err:
+            error = err
+    (failed,) = comm.all_reduce_values([0.0 if error is None else 1.0])
+    if error is not None:
+        raise error
+    if failed:
+        raise ckpt.CheckpointError(f"train.save_dir={config.train.save_dir}: rank 0 could not "
+                                   "lock it (its error says why)")
+    return lock
+
+
+def _find_resume(config: Config, meta_now: dict) -> tuple[Path | None, bool]:
+    """The folder to resume from (after a roll-back to train.resume_from) and whether its
+    layout is this run's, checked against the config before the model is built."""
+    save_dir = Path(config.train.save_dir)
+    if config.train.resume_from:
+        if comm.rank() == 0:
+            moved = protocol.roll_back(save_dir, Path(config.train.resume_from))
+            if moved:
+                print(f"rolled back to {config.train.resume_from}: moved "
+                      f"{', '.join(p.name for p in moved)} into {moved[0].parent}", flush=True)
+        comm.barrier()
+    folder = ckpt.find_latest(save_dir)
     if folder is None:
-        return 0, 0
+        return None, False
     meta = ckpt.read_meta(folder)
     old = meta["config"]["model"]
-    new = config.to_dict()["model"]
+    new = meta_now["config"]["model"]
     changed = sorted(k for k in new if k not in ("loss_backend", "attention_backend", "preset")
                      and old.get(k) != new[k])
     if changed:
@@ -131,9 +163,16 @@ def _resume(trainer, config: Config, world: int) -> tuple[int, int]:
             f"{folder}: trained with train.global_batch_size="
             f"{meta['config']['train']['global_batch_size']}, the config says "
             f"{config.train.global_batch_size}")
-    same_layout = meta["layout"] == _meta(config, None, world)["layout"]
-    resumed = ckpt.load_checkpoint(trainer.engine, folder, same_layout)
-    return resumed.step, resumed.consumed_samples
+    for key, flag in (("tokenizer_sha256", "data.tokenizer"), ("dataset_sha256", "data.path")):
+        saved, now = meta.get(key), meta_now.get(key)
+        if saved and now and saved != now:
+            raise ckpt.CheckpointError(
+                f"{folder} was trained with {key} {saved[:12]}..., {flag}="
+                f"{getattr(config.data, flag.split('.')[1])} has {now[:12]}...; resume with the "
+                f"checkpoint's {flag} or use a different train.save_dir")
+    layout = meta_now["layout"]
+    same = ckpt.check_layout(folder, meta, layout["tp"], layout["pp"], layout["dp"])
+    return folder, same
 
 
 def train(config: Config) -> dict:
@@ -146,7 +185,8 @@ def train(config: Config) -> dict:
                                             config.parallel.backend)
     watchdog = Watchdog(rank, 0.9 * 60 * config.parallel.timeout_minutes).start()
     try:
-        return _train(config, rank, world, device)
+        with _lock_save_dir(config):
+            return _train(config, rank, world, device)
     except Exception as err:
         if is_collective_failure(err):
             raise TrainingError(
@@ -163,6 +203,8 @@ def _train(config: Config, rank: int, world: int, device: torch.device) -> dict:
 
     POSITION.set(step=0, phase="start-up")
     dp, sha = check_inputs(config, world, device)
+    meta = _meta(config, sha, world)
+    resume_folder, same_layout = _find_resume(config, meta)
     s = state.initialize_model_parallel(config.parallel.tp, config.parallel.pp)
     stop = StopFlag()
     log = MetricsLogger(config.train.log_dir, enabled=rank == 0)
@@ -172,10 +214,11 @@ def _train(config: Config, rank: int, world: int, device: torch.device) -> dict:
     # rank happens to hold. Resuming restores the saved streams.
     tp_random.seed_all(config.train.seed, device)
     POSITION.set(phase="resume")
-    step, consumed = _resume(trainer, config, world)
-    if step:
-        log.console(f"resumed from {Path(config.train.save_dir) / ckpt.step_tag(step)} "
-                    f"(step {step}, {consumed} samples consumed)")
+    step, consumed = 0, 0
+    if resume_folder is not None:
+        resumed = ckpt.load_checkpoint(trainer.engine, resume_folder, same_layout)
+        step, consumed = resumed.step, resumed.consumed_samples
+        log.console(f"resumed from {resume_folder} (step {step}, {consumed} samples consumed)")
     train_cfg, data = config.train, config.data
     loader = build_pretraining_loader(
         data.path, sha, data.seq_length, train_cfg.micro_batch_size, train_cfg.global_batch_size,
@@ -183,7 +226,6 @@ def _train(config: Config, rank: int, world: int, device: torch.device) -> dict:
         alpha=data.alpha, mask_prob=data.mask_prob, whole_word_mask=data.whole_word_mask,
         vocab_size=config.model.vocab_size, max_predictions=data.max_predictions or None,
         num_workers=data.num_workers)
-    meta = _meta(config, sha, world)
     flops_token = flops_per_token(config.model, data.seq_length, data.mask_prob)["training"]
     peak = peak_flops(device)
     nonfinite = 0

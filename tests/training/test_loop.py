@@ -52,7 +52,7 @@ def _train(rank, world_size, sets, signal_at=None, die_saving_step=None, nan_fro
         real_save = checkpoint.torch.save
 
         def save(obj, path, *args, **kwargs):
-            if f"step_{die_saving_step:08d}" in str(path):
+            if f"step_{die_saving_step:08d}" in str(getattr(path, "name", path)):
                 os._exit(137)  # as if killed -9 after the engine files, before 'complete'
             return real_save(obj, path, *args, **kwargs)
 
