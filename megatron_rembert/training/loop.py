@@ -6,6 +6,8 @@ import math
 import os
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -115,7 +117,8 @@ def _meta(config: Config, sha: str | None, world: int) -> dict:
             "layout": {"tp": par.tp, "pp": par.pp, "dp": world // (par.tp * par.pp)}}
 
 
-def _lock_save_dir(config: Config) -> SaveDirLock:
+@contextmanager
+def _save_dir_locked(config: Config) -> Iterator[None]:
     """Rank 0 locks train.save_dir (which also proves it writable) before any heavy work;
     every rank learns whether that worked."""
     lock = SaveDirLock(config.train.save_dir)
@@ -131,7 +134,10 @@ def _lock_save_dir(config: Config) -> SaveDirLock:
     if failed:
         raise ckpt.CheckpointError(f"train.save_dir={config.train.save_dir}: rank 0 could not "
                                    "lock it (its error says why)")
-    return lock
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _find_resume(config: Config, meta_now: dict) -> tuple[Path | None, bool]:
@@ -185,7 +191,7 @@ def train(config: Config) -> dict:
                                             config.parallel.backend)
     watchdog = Watchdog(rank, 0.9 * 60 * config.parallel.timeout_minutes).start()
     try:
-        with _lock_save_dir(config):
+        with _save_dir_locked(config):
             return _train(config, rank, world, device)
     except Exception as err:
         if is_collective_failure(err):
