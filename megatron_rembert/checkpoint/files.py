@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import pickle
+import re
 import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -138,10 +139,11 @@ def torch_load_weights(path: str | Path, mmap: bool = True, allowed: tuple | lis
         with torch.serialization.safe_globals(list(allowed)):
             return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:
+        found = re.search(r"GLOBAL ([\w.]+)", str(err))
+        what = f" ({found.group(1)})" if found else ""
         raise CheckpointError(
             f"{path}: refused to load: the pickle holds objects other than tensors and plain "
-            f"data (weights_only=True): {str(err).splitlines()[0]}. Only load files you trust; "
-            "convert them to safetensors first") from err
+            f"data{what}, which could run code. Only load files you trust") from err
     except (RuntimeError, EOFError, OSError) as err:
         if mmap and "mmap" in str(err):  # legacy (non-zip) files cannot be memory-mapped
             return torch_load_weights(path, mmap=False, allowed=allowed,
