@@ -28,6 +28,7 @@ from megatron_rembert.checkpoint.specs import (
     merge_shards,
     param_specs,
     pipe_name,
+    shard,
 )
 from megatron_rembert.config import ConfigError, ModelConfig, get_preset
 
@@ -45,9 +46,11 @@ def model_config(meta: dict, path: Path) -> ModelConfig:
 class CheckpointReader:
     """A complete, verified `step_*` folder; `full_weight` / `full_state` give full tensors."""
 
-    def __init__(self, folder: str | Path):
+    def __init__(self, folder: str | Path, verify_files: bool = True):
+        """verify_files=False: the caller has checked the manifest already."""
         self.folder = check_step_dir(folder)
-        self.verified = verify(self.folder)
+        if verify_files:
+            verify(self.folder)
         self.meta = read_meta(self.folder)
         self.model: ModelConfig = model_config(self.meta, self.folder / "meta.json")
         layout = self.meta["layout"]
@@ -151,6 +154,20 @@ class CheckpointReader:
         if self._optim_index is None:
             self._optim_index = self._index_optimizer()
         return merge_shards([self._state_shard(spec, r, key) for r in range(self.tp)], spec)
+
+    def local_shard(self, key: str, spec: ParamSpec, tp: int, tp_rank: int) -> torch.Tensor:
+        """TP rank `tp_rank` of `tp` of the optimizer's tensor `key` (NAME: the fp32 master
+        weight, or exp_avg/NAME, exp_avg_sq/NAME): what a portable checkpoint stores, so the
+        trainer loads this folder at another layout as it loads a portable one."""
+        state, _, name = key.rpartition("/")
+        source = next((s for s in self.specs if s.name == name), None)
+        if source is None:
+            raise CheckpointError(f"{self.folder}: no parameter {name}")
+        full = self.full_state(source, state or "fp32")
+        if tuple(full.shape) != spec.shape:
+            raise CheckpointError(f"{self.folder}: {key} has shape {tuple(full.shape)}, the "
+                                  f"model expects {spec.shape}")
+        return shard(full, spec, tp, tp_rank)
 
     def optimizer_meta(self) -> dict:
         """Step counts per parameter group, LR schedule, counters: what resumes the optimizer."""

@@ -25,8 +25,10 @@ from megatron_rembert.checkpoint.atomic import HashingFile
 from megatron_rembert.checkpoint.files import deepspeed_safe_globals, torch_load_weights
 from megatron_rembert.checkpoint.folder import find_latest, read_meta, step_tag
 from megatron_rembert.checkpoint.portable import is_portable
+from megatron_rembert.checkpoint.reader import CheckpointReader
 from megatron_rembert.parallel import comm
 from megatron_rembert.parallel import random as tp_random
+from megatron_rembert.training.portable import load_full_tensors, load_portable
 
 __all__ = ["CheckpointError", "ResumeState", "find_latest", "load_checkpoint", "read_meta",
            "save_checkpoint", "step_tag"]
@@ -140,32 +142,39 @@ def _raise_if_any_failed(error: OSError | None, folder: Path, save_dir: Path) ->
 def reshard_command(folder: Path, tp: int, pp: int) -> str:
     out = f"{str(folder.parent).rstrip('/')}-tp{tp}-pp{pp}"
     return (f"python -m megatron_rembert.convert reshard --checkpoint {folder} --out {out} "
-            f"--tp {tp} --pp {pp}, then resume with --set train.save_dir={out}")
+            f"--tp {tp} --pp {pp} --weights-only, then resume with --set train.save_dir={out}")
 
 
-def check_layout(folder: Path, meta: dict, tp: int, pp: int, dp: int) -> bool:
-    """True when the saved RNG states apply (same layout). A DeepSpeed checkpoint loads at
-    another layout only when just dp changed without ZeRO partitions; otherwise the error
-    gives the exact reshard command (a portable checkpoint loads at any layout)."""
+def check_layout(folder: Path, meta: dict, tp: int, pp: int, dp: int) -> str:
+    """How a checkpoint loads at this run's layout, decided before the model is built:
+    'same' (everything, RNG states included), 'deepspeed' (DeepSpeed's own load: only dp
+    changed and no ZeRO partitions), or 'full' (full tensors read from the saved files and cut
+    for this layout, optimizer state included; the path of portable checkpoints)."""
     saved = meta["layout"]
-    same = (saved.get("tp"), saved.get("pp"), saved.get("dp")) == (tp, pp, dp)
-    if same or is_portable(meta):
-        return same
+    if (saved.get("tp"), saved.get("pp"), saved.get("dp")) == (tp, pp, dp):
+        return "same"
+    if is_portable(meta):
+        return "full"
     zero = int(meta["config"].get("parallel", {}).get("zero_stage", 0))
-    if (saved.get("tp"), saved.get("pp")) != (tp, pp) or zero > 0:
-        raise CheckpointError(
-            f"{folder} was saved at tp={saved.get('tp')} pp={saved.get('pp')} "
-            f"dp={saved.get('dp')} (parallel.zero_stage={zero}), this run is tp={tp} pp={pp} "
-            f"dp={dp}; convert it first: {reshard_command(folder, tp, pp)}")
-    return False
+    if zero > 0:
+        return "full"
+    if (saved.get("tp"), saved.get("pp")) == (tp, pp):
+        return "deepspeed"
+    raise CheckpointError(
+        f"{folder} was saved at tp={saved.get('tp')} pp={saved.get('pp')} with "
+        f"parallel.zero_stage=0, whose optimizer files cannot be re-cut; this run is tp={tp} "
+        f"pp={pp}. Resume at the saved tp and pp, or keep the weights only: "
+        f"{reshard_command(folder, tp, pp)}")
 
 
-def load_checkpoint(engine, folder: Path, same_layout: bool) -> ResumeState:
+def load_checkpoint(engine, folder: Path, how: str = "same") -> ResumeState:
     """Restore model, optimizer, LR schedule, loss scaler and (same layout) RNG states.
 
-    The folder is checked against its manifest before any file is opened. A portable
-    checkpoint (written by `python -m megatron_rembert.convert from-hf` or `reshard`) loads at
-    any layout: weights, and unless `weights_only` the optimizer state; no RNG states.
+    The folder is checked against its manifest before any file is opened. `how`: what
+    `check_layout` decided ('same', 'deepspeed' or 'full'). A portable checkpoint (written by
+    `convert from-hf` or `reshard`) and, with 'full', one of ours saved at another layout load
+    as full tensors (via `CheckpointReader`): the weights, the optimizer state unless weights
+    only, no RNG states.
     """
     folder = protocol.check_step_dir(folder)
     error = None
@@ -181,9 +190,13 @@ def load_checkpoint(engine, folder: Path, same_layout: bool) -> ResumeState:
                               "rank's error names it)")
     meta = read_meta(folder)
     if is_portable(meta):
-        from megatron_rembert.training.portable import load_portable
-
         load_portable(engine, folder, meta)
+        return ResumeState(step=int(meta["step"]), consumed_samples=int(meta["consumed_samples"]),
+                           path=folder)
+    if how == "full":
+        with CheckpointReader(folder, verify_files=False) as reader:
+            load_full_tensors(engine, reader, {**meta, "weights_only": False,
+                                               "optimizer": reader.optimizer_meta()})
         return ResumeState(step=int(meta["step"]), consumed_samples=int(meta["consumed_samples"]),
                            path=folder)
     _guard(engine)
@@ -193,7 +206,7 @@ def load_checkpoint(engine, folder: Path, same_layout: bool) -> ResumeState:
     if path is None:
         raise CheckpointError(f"{folder}: DeepSpeed found no model states to load")
     rng_file = folder / "rng" / f"rank_{comm.rank():05d}.pt"
-    if same_layout and rng_file.exists():
+    if how == "same" and rng_file.exists():
         tp_random.set_rng_states(torch_load_weights(rng_file, mmap=False))
     return ResumeState(step=client["step"], consumed_samples=client["consumed_samples"],
                        path=folder)

@@ -140,9 +140,9 @@ def _save_dir_locked(config: Config) -> Iterator[None]:
         lock.release()
 
 
-def _find_resume(config: Config, meta_now: dict) -> tuple[Path | None, bool]:
-    """The folder to resume from (after a roll-back to train.resume_from) and whether its
-    layout is this run's, checked against the config before the model is built."""
+def _find_resume(config: Config, meta_now: dict) -> tuple[Path | None, str]:
+    """The folder to resume from (after a roll-back to train.resume_from) and how it loads at
+    this run's layout (training/checkpoint.check_layout), checked before the model is built."""
     save_dir = Path(config.train.save_dir)
     if config.train.resume_from:
         if comm.rank() == 0:
@@ -153,7 +153,7 @@ def _find_resume(config: Config, meta_now: dict) -> tuple[Path | None, bool]:
         comm.barrier()
     folder = ckpt.find_latest(save_dir)
     if folder is None:
-        return None, False
+        return None, "same"
     meta = ckpt.read_meta(folder)
     old = meta["config"]["model"]
     new = meta_now["config"]["model"]
@@ -177,8 +177,7 @@ def _find_resume(config: Config, meta_now: dict) -> tuple[Path | None, bool]:
                 f"{getattr(config.data, flag.split('.')[1])} has {now[:12]}...; resume with the "
                 f"checkpoint's {flag} or use a different train.save_dir")
     layout = meta_now["layout"]
-    same = ckpt.check_layout(folder, meta, layout["tp"], layout["pp"], layout["dp"])
-    return folder, same
+    return folder, ckpt.check_layout(folder, meta, layout["tp"], layout["pp"], layout["dp"])
 
 
 def train(config: Config) -> dict:
@@ -210,7 +209,7 @@ def _train(config: Config, rank: int, world: int, device: torch.device) -> dict:
     POSITION.set(step=0, phase="start-up")
     dp, sha = check_inputs(config, world, device)
     meta = _meta(config, sha, world)
-    resume_folder, same_layout = _find_resume(config, meta)
+    resume_folder, how = _find_resume(config, meta)
     s = state.initialize_model_parallel(config.parallel.tp, config.parallel.pp)
     stop = StopFlag()
     log = MetricsLogger(config.train.log_dir, enabled=rank == 0)
@@ -222,7 +221,7 @@ def _train(config: Config, rank: int, world: int, device: torch.device) -> dict:
     POSITION.set(phase="resume")
     step, consumed = 0, 0
     if resume_folder is not None:
-        resumed = ckpt.load_checkpoint(trainer.engine, resume_folder, same_layout)
+        resumed = ckpt.load_checkpoint(trainer.engine, resume_folder, how)
         step, consumed = resumed.step, resumed.consumed_samples
         log.console(f"resumed from {resume_folder} (step {step}, {consumed} samples consumed)")
     train_cfg, data = config.train, config.data

@@ -1,12 +1,15 @@
-"""Loading a portable checkpoint (megatron_rembert/checkpoint/portable.py, where the format is
-written, read and documented) into the trainer's DeepSpeed engine, at any TP x PP x DP.
+"""Loading full tensors into the trainer's DeepSpeed engine, at any TP x PP x DP.
 
-Each rank reads only its slice of every stored full tensor and zero-fills its padding rows.
+The source is a portable checkpoint (megatron_rembert/checkpoint/portable.py, where the format
+is written, read and documented) or, for a resume at another layout, one of our DeepSpeed
+checkpoints read through `CheckpointReader`. Each rank reads only its slice of every full
+tensor and zero-fills its padding rows.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -34,8 +37,20 @@ def init_adam_state(st: dict, param: torch.Tensor, step: float) -> None:
             st[k] = torch.zeros_like(param, dtype=torch.float32, device=param.device)
 
 
+class ShardSource(Protocol):
+    def local_shard(self, key: str, spec: ParamSpec, tp: int, tp_rank: int) -> torch.Tensor: ...
+
+
 def load_portable(engine, folder: Path, meta: dict) -> None:
-    """Load a portable checkpoint into a DeepSpeed engine built for any layout.
+    """Load a portable checkpoint folder into a DeepSpeed engine built for any layout."""
+    with PortableReader(folder) as reader:
+        load_full_tensors(engine, reader, meta)
+
+
+def load_full_tensors(engine, source: ShardSource, meta: dict) -> None:
+    """Load full tensors (a PortableReader or a CheckpointReader) into a DeepSpeed engine built
+    for any layout. `meta`: the portable meta.json (step, consumed_samples, weights_only,
+    optimizer {steps, lr_scheduler, skipped_steps, loss_scale}).
 
     Sets the module weights, the optimizer's fp32 master weights and (unless weights only)
     Adam's moments and step counts, the LR schedule and the engine's counters. Works for ZeRO
@@ -58,23 +73,22 @@ def load_portable(engine, folder: Path, meta: dict) -> None:
         opt._lazy_init_hp_params_optimizer_state()
     group_of = {id(p): g for g, grp in enumerate(base.param_groups) for p in grp["params"]}
     tp, tp_rank = state.tp_size(), state.tp_rank()
-    with PortableReader(folder) as reader:
-        for name, param in local_parameters(engine.module):
-            spec = ParamSpec.of(name, param, num_layers)
-            value = reader.local_shard(name, spec, tp, tp_rank).to(param.device)
-            with torch.no_grad():
-                param.copy_(value.to(param.dtype))
-            safe_set_full_fp32_param(param, value.float())
-            if weights_only:
-                continue
-            for key in OPTIM_KEYS:
-                value = reader.local_shard(f"{key}/{name}", spec, tp, tp_rank).to(param.device)
-                if flats is not None:
-                    safe_set_full_optimizer_state(param, value.float(), key)
-                else:  # plain torch optimizer: the module parameters are the master weights
-                    st = base.state.setdefault(param, {})
-                    init_adam_state(st, param, steps[group_of[id(param)]])
-                    st[key].copy_(value)
+    for name, param in local_parameters(engine.module):
+        spec = ParamSpec.of(name, param, num_layers)
+        value = source.local_shard(name, spec, tp, tp_rank).to(param.device)
+        with torch.no_grad():
+            param.copy_(value.to(param.dtype))
+        safe_set_full_fp32_param(param, value.float())
+        if weights_only:
+            continue
+        for key in OPTIM_KEYS:
+            value = source.local_shard(f"{key}/{name}", spec, tp, tp_rank).to(param.device)
+            if flats is not None:
+                safe_set_full_optimizer_state(param, value.float(), key)
+            else:  # plain torch optimizer: the module parameters are the master weights
+                st = base.state.setdefault(param, {})
+                init_adam_state(st, param, steps[group_of[id(param)]])
+                st[key].copy_(value)
     if weights_only:
         return
     if info.get("lr_scheduler") and engine.lr_scheduler is not None:

@@ -66,11 +66,11 @@ def integrity_worker(rank, world_size, root: str) -> dict:
     good = ckpt.save_checkpoint(trainer.engine, save_dir, 1, GLOBAL_BATCH, meta, keep_last=5)
 
     def load(folder):
-        return lambda: ckpt.load_checkpoint(trainer.engine, folder, same_layout=True)
+        return lambda: ckpt.load_checkpoint(trainer.engine, folder, how="same")
 
     out = {"good": str(good)}
     old = _copy(good, root, "old", old_format=True)
-    out["old_step"] = ckpt.load_checkpoint(trainer.engine, old, same_layout=True).step
+    out["old_step"] = ckpt.load_checkpoint(trainer.engine, old, how="same").step
     for name, old_format, file in (("old_evil_model", True, "mp_rank_00_model_states.pt"),
                                    ("new_evil_optim", False,
                                     "zero_pp_rank_0_mp_rank_00_optim_states.pt")):
