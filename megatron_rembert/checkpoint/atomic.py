@@ -75,7 +75,10 @@ class HashingFile:
         self._file.flush()
 
     def close(self) -> None:
-        self._file.close()
+        if not self._file.closed:
+            self._file.flush()
+            os.fsync(self._file.fileno())  # on disk before anything names the file good
+            self._file.close()
 
     def record(self) -> dict:
         """The manifest entry of this file: {"size", "sha256"}."""

@@ -6,7 +6,8 @@ Layout of a save folder (`train.save_dir`, or the `--out` of a conversion):
         manifest.json       size and sha256 of every other file of the folder
         complete            written last, after every rank has finished
     latest                  name of the current complete folder, replaced atomically
-    rolled_back/            folders newer than a roll-back target, moved aside (never deleted)
+    rolled_back/            one folder per roll-back (train.resume_from) holding the step
+                            folders newer than its target, moved aside (never deleted)
     .lock                   host and pid of the run that owns the folder (see lock.py)
 
 A kill at any moment leaves `latest` naming the previous complete checkpoint. Folders without
@@ -168,20 +169,23 @@ def prune(save_dir: Path, keep_last: int) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def roll_back(save_dir: Path, target: Path) -> list[Path]:
+def roll_back(save_dir: Path, target: Path) -> list[Path] | None:
     """Make `target` (a complete step folder of `save_dir`) current; every newer step folder
-    is moved into `save_dir/rolled_back/<time>_from_<name>/`, not deleted. Returns them."""
+    is moved into `save_dir/rolled_back/<time>_to_<name>/`, not deleted. Returns them, or None
+    when a roll-back to `target` was done before: a restart (a requeued job) with the same
+    setting must not undo the progress made since."""
     target = check_step_dir(target).resolve()
     save_dir = Path(save_dir).resolve()
     if target.parent != save_dir:
         raise CheckpointError(f"train.resume_from={target}: not a step folder of "
                               f"train.save_dir={save_dir}")
+    if list((save_dir / ROLLED_BACK).glob(f"*_to_{target.name}")):
+        return None
     newer = sorted((p for p in save_dir.glob("step_*")
                     if p.is_dir() and step_of(p) > step_of(target)), key=step_of)
-    if newer:
-        aside = save_dir / ROLLED_BACK / f"{time.strftime('%Y%m%d-%H%M%S')}_to_{target.name}"
-        aside.mkdir(parents=True, exist_ok=True)
-        for p in newer:
-            os.replace(p, aside / p.name)
+    aside = save_dir / ROLLED_BACK / f"{time.strftime('%Y%m%d-%H%M%S')}_to_{target.name}"
+    aside.mkdir(parents=True)  # also the record that this roll-back was done
+    for p in newer:
+        os.replace(p, aside / p.name)
     atomic_write(save_dir / LATEST, lambda f: f.write(target.name + "\n"), binary=False)
     return newer

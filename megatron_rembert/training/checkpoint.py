@@ -121,9 +121,10 @@ def save_checkpoint(engine, save_dir: str | Path, step: int, consumed_samples: i
     except OSError as err:  # a full disk, a read-only file system, a lost mount
         error = err
     _raise_if_any_failed(error, folder, save_dir)
-    root = folder.resolve()
-    records = {str(Path(p).relative_to(root)): r for part in _gather(guard.records)
-               for p, r in part.items() if Path(p).is_relative_to(root)}
+    root = folder.resolve()  # relative paths: other nodes may mount save_dir elsewhere
+    mine = {str(Path(p).relative_to(root)): r for p, r in guard.records.items()
+            if Path(p).is_relative_to(root)}
+    records = {k: v for part in _gather(mine) for k, v in part.items()}
     error = None
     if comm.rank() == 0:
         try:

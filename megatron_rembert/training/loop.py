@@ -147,7 +147,10 @@ def _find_resume(config: Config, meta_now: dict) -> tuple[Path | None, str]:
     if config.train.resume_from:
         if comm.rank() == 0:
             moved = protocol.roll_back(save_dir, Path(config.train.resume_from))
-            if moved:
+            if moved is None:
+                print(f"train.resume_from={config.train.resume_from}: rolled back before; "
+                      "resuming from 'latest'", flush=True)
+            elif moved:
                 print(f"rolled back to {config.train.resume_from}: moved "
                       f"{', '.join(p.name for p in moved)} into {moved[0].parent}", flush=True)
         comm.barrier()

@@ -49,7 +49,10 @@ def test_roll_back_moves_newer_folders_aside(tmp_path):
     assert (tmp_path / "latest").read_text().strip() == "step_00000004"
     aside = list((tmp_path / protocol.ROLLED_BACK).glob("*/step_00000006"))
     assert len(aside) == 1 and (aside[0] / "complete").exists()  # moved, not deleted
-    _save(tmp_path, 5, keep_last=1)  # the next save after the roll-back prunes nothing newer
+    _save(tmp_path, 5, keep_last=2)  # the next save after the roll-back prunes nothing newer
+    assert protocol.find_latest(tmp_path).name == "step_00000005"
+    # A restart with the same train.resume_from (a requeued job) keeps the progress since.
+    assert protocol.roll_back(tmp_path, tmp_path / "step_00000004") is None
     assert protocol.find_latest(tmp_path).name == "step_00000005"
     with pytest.raises(CheckpointError, match="not a step folder of"):
         protocol.roll_back(tmp_path, aside[0])
