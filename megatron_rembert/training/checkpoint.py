@@ -10,18 +10,18 @@ refused, never run, even in a checkpoint that predates manifests.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
 from megatron_rembert.checkpoint import CheckpointError
 from megatron_rembert.checkpoint import folder as protocol
-from megatron_rembert.checkpoint.atomic import HashingFile, sha256_file
+from megatron_rembert.checkpoint.atomic import HashingFile, atomic_write_json, sha256_file
 from megatron_rembert.checkpoint.files import deepspeed_safe_globals, torch_load_weights
 from megatron_rembert.checkpoint.folder import find_latest, read_meta, step_tag
 from megatron_rembert.checkpoint.portable import is_portable
@@ -29,6 +29,8 @@ from megatron_rembert.checkpoint.reader import CheckpointReader
 from megatron_rembert.parallel import comm
 from megatron_rembert.parallel import random as tp_random
 from megatron_rembert.training.portable import load_full_tensors, load_portable
+
+RECORDS = ".hashes"  # per-rank hashes of one save, merged into manifest.json by rank 0
 
 __all__ = ["CheckpointError", "ResumeState", "find_latest", "load_checkpoint", "read_meta",
            "save_checkpoint", "step_tag"]
@@ -73,14 +75,6 @@ def _guard(engine) -> GuardedCheckpointEngine:
     return engine.checkpoint_engine
 
 
-def _gather(obj) -> list:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def _non_finite_parameters(engine) -> int:
     # A sum is inf or NaN when an element is (or, for weights beyond ~1e31, when it overflows:
     # a state no less broken); one cheap reduction per tensor instead of a mask per element.
@@ -118,16 +112,22 @@ def save_checkpoint(engine, save_dir: str | Path, step: int, consumed_samples: i
         with HashingFile(rng_file) as f:
             torch.save(tp_random.get_rng_states(), f)
         guard.records[str(rng_file.resolve())] = f.record()
+        # Each rank's hashes, as paths relative to the folder (nodes may mount it elsewhere),
+        # go into a small file of their own; rank 0 merges them into the manifest.
+        root = folder.resolve()
+        atomic_write_json(folder / RECORDS / f"rank_{comm.rank():05d}.json",
+                          {str(Path(p).relative_to(root)): r
+                           for p, r in guard.records.items() if Path(p).is_relative_to(root)})
     except OSError as err:  # a full disk, a read-only file system, a lost mount
         error = err
     _raise_if_any_failed(error, folder, save_dir)
-    root = folder.resolve()  # relative paths: other nodes may mount save_dir elsewhere
-    mine = {str(Path(p).relative_to(root)): r for p, r in guard.records.items()
-            if Path(p).is_relative_to(root)}
-    records = {k: v for part in _gather(mine) for k, v in part.items()}
     error = None
     if comm.rank() == 0:
         try:
+            records = {}  # a part not seen here only means write_manifest hashes those again
+            for part in sorted((folder / RECORDS).glob("rank_*.json")):
+                records.update(json.loads(part.read_text()))
+            shutil.rmtree(folder / RECORDS)
             protocol.commit(save_dir, folder,
                             {**meta, "step": step, "consumed_samples": consumed_samples},
                             records, keep_last)
