@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 import torch
 
-from megatron_rembert.config import ModelConfig
+from megatron_rembert.config import ConfigError, ModelConfig
 from megatron_rembert.convert.files import ConvertError
 
 # The ModelConfig fields that transformers' RemBertConfig shares, by the same names.
@@ -139,4 +139,17 @@ def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     if hf.get("hidden_act", "gelu") != "gelu":
         raise ConvertError(f"{where}: hidden_act={hf['hidden_act']!r}; only the exact 'gelu' "
                            "is supported")
-    return ModelConfig(**{k: hf[k] for k in HF_FIELDS if k in hf})
+    values = {}
+    for key in HF_FIELDS:
+        if key not in hf:
+            continue
+        value, kind = hf[key], type(ModelConfig.__dataclass_fields__[key].default)
+        if isinstance(value, bool) or not isinstance(value, int if kind is int else (int, float)):
+            raise ConvertError(f"{where}: {key}={value!r}, expected {kind.__name__}")
+        values[key] = value
+    model = ModelConfig(**values)
+    try:
+        model.validate(1)
+    except ConfigError as err:
+        raise ConvertError(f"{where}: {err}") from err
+    return model
