@@ -57,6 +57,8 @@ class SafetensorsWriter:
         self._next = 0
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
+        if self._next == len(self._expected):
+            raise CheckpointError(f"{self.path}: {name} is one tensor more than the header")
         exp_name, dtype, shape = self._expected[self._next]
         if (name, tensor.dtype, tuple(tensor.shape)) != (exp_name, dtype, shape):
             raise CheckpointError(f"{self.path}: expected {exp_name} {dtype} {shape}, got "

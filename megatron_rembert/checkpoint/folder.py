@@ -65,6 +65,8 @@ def read_meta(folder: Path) -> dict:
         meta = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise CheckpointError(f"{path}: unreadable ({err})") from err
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path}: not a JSON object; the file is damaged or not ours")
     missing = [k for k in META_SECTIONS if k not in meta]
     if not isinstance(meta.get("config"), dict) or "model" not in meta.get("config", {}):
         missing.append("config.model")
