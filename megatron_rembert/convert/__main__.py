@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megatron_rembert.checkpoint import CheckpointError
 from megatron_rembert.config import ConfigError
 from megatron_rembert.convert.files import ConvertError
-from megatron_rembert.training.checkpoint import CheckpointError
 
 
 def build_parser() -> argparse.ArgumentParser:

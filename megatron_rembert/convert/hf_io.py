@@ -7,25 +7,28 @@ from pathlib import Path
 
 import torch
 
-from megatron_rembert.config import PRESETS, ModelConfig
-from megatron_rembert.convert.checkpoint_io import CheckpointReader, ParamSpec, param_specs
-from megatron_rembert.convert.files import (
-    ConvertError,
+from megatron_rembert.checkpoint.files import (
     SafetensorsWriter,
-    staged_output,
+    safe_open_checked,
     torch_load_weights,
 )
+from megatron_rembert.checkpoint.portable import write_portable
+from megatron_rembert.checkpoint.reader import CheckpointReader
+from megatron_rembert.checkpoint.specs import ParamSpec, param_specs
+from megatron_rembert.config import PRESETS, ModelConfig
+from megatron_rembert.convert.files import ConvertError, check_out_apart, staged_output
 from megatron_rembert.convert.hf import (
-    _HF_TO_OURS,
-    _OURS_TO_HF,
-    _rename,
+    HF_FIELDS,
     config_from_hf,
     hf_config_dict,
+    hf_names,
+    our_names,
 )
-from megatron_rembert.convert.portable import write_portable
 from megatron_rembert.convert.tokenizer_files import check_tokenizer, write_tokenizer
+from megatron_rembert.parallel import state
+
+# The training config schema (a leaf module: it imports nothing else of training/).
 from megatron_rembert.training.config import Config, load_config
-from megatron_rembert.training.portable import safe_open_checked
 
 
 def _count(specs: list[ParamSpec]) -> int:
@@ -35,36 +38,33 @@ def _count(specs: list[ParamSpec]) -> int:
 def export_hf(checkpoint: str, out: str, tokenizer: str | None, force: bool,
               encoder_only: bool = False, log=print) -> dict:
     """Write a transformers `RemBertForMaskedLM` (or, encoder_only, `RemBertModel`) folder."""
-    reader = CheckpointReader(checkpoint)
-    model = reader.model
-    specs = param_specs(model, 1)
-    kept = [s for s in specs if not (encoder_only and s.name.startswith("mlm_head."))]
-    spm_path = tokenizer or reader.config.data.tokenizer
-    if spm_path:
-        check_tokenizer(Path(spm_path), model.vocab_size, reader.meta.get("tokenizer_sha256"))
-    else:
-        log("no tokenizer given (--tokenizer) or recorded in the checkpoint: writing the "
-            "model only")
-    entries = []  # (hf name, spec)
-    for s in kept:
-        hf_name = _rename(s.name, _OURS_TO_HF)
-        entries.append((hf_name[len("rembert."):] if encoder_only else hf_name, s))
-    if model.tie_embeddings and not encoder_only:  # transformers' RemBERT has no tied mode
-        word = next(s for s in specs if s.name == "rembert.embeddings.word_embeddings.weight")
-        entries.append(("cls.predictions.decoder.weight", word))
-    dtypes = {s.name: reader.full_weight(s).dtype for _, s in entries}
-    with staged_output(out, force) as tmp:
-        with SafetensorsWriter(tmp / "model.safetensors",
-                               [(n, dtypes[s.name], s.shape) for n, s in entries],
-                               metadata={"format": "pt"}) as writer:
-            for name, s in entries:
-                writer.write(name, reader.full_weight(s))
-        arch = "RemBertModel" if encoder_only else "RemBertForMaskedLM"
-        config = {"architectures": [arch], "model_type": "rembert", **hf_config_dict(model),
-                  "dtype": str(next(iter(dtypes.values()))).removeprefix("torch.")}
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    with CheckpointReader(checkpoint) as reader:
+        check_out_apart(out, checkpoint)
+        model = reader.model
+        specs = param_specs(model, 1)
+        kept = [s for s in specs if not (encoder_only and s.name.startswith("mlm_head."))]
+        spm_path = tokenizer or reader.meta["config"].get("data", {}).get("tokenizer")
         if spm_path:
-            write_tokenizer(Path(spm_path), tmp, model.max_position_embeddings)
+            check_tokenizer(Path(spm_path), model.vocab_size, reader.meta.get("tokenizer_sha256"))
+        else:
+            log("no tokenizer given (--tokenizer) or recorded in the checkpoint: writing the "
+                "model only")
+        by_name = {s.name: s for s in specs}
+        entries = [(hf, by_name[name]) for hf, name in hf_names(
+            [s.name for s in specs], model, encoder_only)]
+        dtypes = {s.name: reader.full_weight(s).dtype for _, s in entries}
+        with staged_output(out, force) as tmp:
+            with SafetensorsWriter(tmp / "model.safetensors",
+                                   [(n, dtypes[s.name], s.shape) for n, s in entries],
+                                   metadata={"format": "pt"}) as writer:
+                for name, s in entries:
+                    writer.write(name, reader.full_weight(s))
+            arch = "RemBertModel" if encoder_only else "RemBertForMaskedLM"
+            config = {"architectures": [arch], "model_type": "rembert", **hf_config_dict(model),
+                      "dtype": str(next(iter(dtypes.values()))).removeprefix("torch.")}
+            (tmp / "config.json").write_text(json.dumps(config, indent=2))
+            if spm_path:
+                write_tokenizer(Path(spm_path), tmp, model.max_position_embeddings)
     before, after = _count(specs), _count(kept)
     if encoder_only:
         log(f"parameters: pre-training model {before:,} -> encoder {after:,} "
@@ -85,7 +85,10 @@ class _HFWeights:
             with safe_open_checked(single) as f:
                 self.files = dict.fromkeys(f.keys(), single)
         elif index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (OSError, json.JSONDecodeError, KeyError) as err:
+                raise ConvertError(f"{index}: unreadable ({err})") from err
             self.files = {k: folder / v for k, v in weight_map.items()}
         elif (folder / "pytorch_model.bin").exists():
             self._bin = torch_load_weights(folder / "pytorch_model.bin")
@@ -104,16 +107,11 @@ class _HFWeights:
 
 def _preset_name(model: ModelConfig) -> str:
     for name, preset in PRESETS.items():
-        if all(getattr(preset, k) == getattr(model, k) for k in hf_fields()):
+        if all(getattr(preset, k) == getattr(model, k) for k in HF_FIELDS):
             return name
     # No exact preset: every model field is written out in meta.json anyway, the preset is
     # only the base they override.
     return "rembert"
-
-
-def hf_fields() -> list[str]:
-    return [k for k in ModelConfig.__dataclass_fields__
-            if k not in ("tie_embeddings", "attention_backend", "loss_backend")]
 
 
 def import_hf(model_dir: str, out: str, tp: int, pp: int, force: bool,
@@ -124,21 +122,24 @@ def import_hf(model_dir: str, out: str, tp: int, pp: int, force: bool,
     cfg_file = folder / "config.json"
     if not cfg_file.is_file():
         raise ConvertError(f"--model {folder}: no config.json")
-    hf_cfg = json.loads(cfg_file.read_text())
+    try:
+        hf_cfg = json.loads(cfg_file.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ConvertError(f"{cfg_file}: unreadable ({err})") from err
     if hf_cfg.get("model_type") != "rembert":
         raise ConvertError(f"{cfg_file}: model_type={hf_cfg.get('model_type')!r}, expected "
                            "'rembert'")
-    model = config_from_hf(hf_cfg)
+    model = config_from_hf(hf_cfg, str(cfg_file))
     if config_path or overrides:
         config = load_config(config_path, list(overrides))
-        diff = [k for k in hf_fields() if getattr(config.model, k) != getattr(model, k)]
+        diff = [k for k in HF_FIELDS if getattr(config.model, k) != getattr(model, k)]
         if diff:
             raise ConvertError(
                 f"--config {config_path or '(none)'} --set {list(overrides)}: the model "
                 f"differs from {cfg_file} in "
                 + ", ".join(f"{k} ({getattr(config.model, k)} vs {getattr(model, k)})"
                             for k in diff))
-        model = config.model.replace(**{k: getattr(model, k) for k in hf_fields()})
+        model = config.model.replace(**{k: getattr(model, k) for k in HF_FIELDS})
         config.model = model
     else:
         config = Config(model=model, model_preset=_preset_name(model))
@@ -148,16 +149,9 @@ def import_hf(model_dir: str, out: str, tp: int, pp: int, force: bool,
         raise ConvertError(f"--pp {pp}: more stages than the model's {model.num_hidden_layers} "
                            "layers")
     weights = _HFWeights(folder)
-    ours: dict[str, str] = {}
-    for name in weights.files:
-        full = name if name.startswith(("rembert.", "cls.")) else "rembert." + name
-        if full.startswith("rembert.pooler."):
-            log(f"{folder}: {name} dropped (the pre-training model has no pooler)")
-            continue
-        try:
-            ours[_rename(full, _HF_TO_OURS)] = name
-        except KeyError as err:
-            raise ConvertError(f"{folder}: unknown tensor {name!r}") from err
+    ours, dropped = our_names(weights.files, str(folder))
+    for name in dropped:
+        log(f"{folder}: {name} dropped (the pre-training model has no pooler)")
     specs = param_specs(model, 1)
     head = None
     if not any(k.startswith("mlm_head.") for k in ours):
@@ -189,11 +183,10 @@ def import_hf(model_dir: str, out: str, tp: int, pp: int, force: bool,
 
 def _fresh_head(model: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     """The MLM head as our trainer initialises it (layout-independent, vocabulary stripped)."""
-    from megatron_rembert.convert.checkpoint_io import parallel_state
     from megatron_rembert.model.mlm_head import MLMHead
     from megatron_rembert.parallel.layers import init_weights
 
-    with parallel_state(1):
+    with state.offline(1):
         head = MLMHead(model)
         init_weights(head, seed, model.initializer_range, prefix="mlm_head.")
     return {f"mlm_head.{k}": (v[: model.vocab_size] if k.startswith("decoder.") else v)

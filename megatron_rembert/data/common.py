@@ -4,15 +4,18 @@ a bounded ordered map over a process pool and a console progress bar."""
 from __future__ import annotations
 
 import collections
-import hashlib
-import json
-import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
+
+# Atomic writes and file hashes live with the checkpoints, which use them too.
+from megatron_rembert.checkpoint.atomic import (  # noqa: F401 - used by the data tools
+    atomic_write,
+    atomic_write_json,
+    sha256_file,
+)
 
 
 class DataError(RuntimeError):
@@ -43,50 +46,6 @@ class SpecialIds:
 
 
 SPECIAL_PIECES = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"}
-
-
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    # The rename is durable only once the directory entry is on disk.
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(
-    path: str | os.PathLike, write: Callable[[Any], None], binary: bool = True
-) -> None:
-    """Write `path` via a temp file in the same folder, fsync, then rename: a reader (or a
-    rerun after a kill) sees either the old file, no file, or the whole new file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
-    try:
-        with open(tmp, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    _fsync_dir(path.parent)
-
-
-def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
-    atomic_write(path, lambda f: json.dump(obj, f, indent=1, sort_keys=True), binary=False)
 
 
 def ordered_map(

@@ -37,6 +37,32 @@ PIPE_ACTIVATIONS = ("hidden", "attention_mask", "masked_positions", "masked_labe
                     "masked_weights")
 
 
+# Global name prefixes of the pipeline layers: 0 embeddings, 1..L Transformer layers, L+1 head.
+EMBEDDINGS_PREFIX = "rembert.embeddings."
+LAYERS_PREFIX = "rembert.layers."
+HEAD_PREFIX = "mlm_head."
+
+
+def layer_prefix(layer: int, num_layers: int) -> str:
+    """The global name prefix of pipeline layer `layer` (the one layer/prefix mapping)."""
+    if layer == 0:
+        return EMBEDDINGS_PREFIX
+    if layer == num_layers + 1:
+        return HEAD_PREFIX
+    return f"{LAYERS_PREFIX}{layer - 1}."
+
+
+def pipeline_layer(name: str, num_layers: int) -> int:
+    """The pipeline layer holding the parameter with global name `name`."""
+    if name.startswith(EMBEDDINGS_PREFIX):
+        return 0
+    if name.startswith(LAYERS_PREFIX):
+        return int(name.split(".")[2]) + 1
+    if name.startswith(HEAD_PREFIX):
+        return num_layers + 1
+    raise ValueError(f"parameter {name!r} belongs to no pipeline layer")
+
+
 def pipeline_inputs(micro_batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """The first stage's input tuple of a micro-batch (see the module docstring)."""
     weights = micro_batch["masked_weights"].to(torch.float32).contiguous()
@@ -55,7 +81,7 @@ def _activations(hidden: torch.Tensor, carried: dict[str, torch.Tensor]
 
 
 class EmbeddingPipe(RemBertEmbeddings):
-    pipe_prefix = "rembert.embeddings."
+    pipe_prefix = EMBEDDINGS_PREFIX
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         x = _named(PIPE_INPUTS, inputs)
@@ -65,7 +91,7 @@ class EmbeddingPipe(RemBertEmbeddings):
 class TransformerLayerPipe(TransformerLayer):
     def __init__(self, config: ModelConfig, index: int):
         super().__init__(config)
-        self.pipe_prefix = f"rembert.layers.{index}."
+        self.pipe_prefix = f"{LAYERS_PREFIX}{index}."
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         x = _named(PIPE_ACTIVATIONS, inputs)
@@ -75,7 +101,7 @@ class TransformerLayerPipe(TransformerLayer):
 class MLMHeadPipe(MLMHead):
     """Gathers the masked positions and computes the loss sums, as RemBertForPreTraining."""
 
-    pipe_prefix = "mlm_head."
+    pipe_prefix = HEAD_PREFIX
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> MLMLoss:
         x = _named(PIPE_ACTIVATIONS, inputs)

@@ -11,6 +11,8 @@ every collective is the identity.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -88,6 +90,18 @@ def destroy_model_parallel() -> None:
 
 def get_state() -> ParallelState:
     return _STATE
+
+
+@contextmanager
+def offline(tp: int, tp_rank: int = 0) -> Iterator[ParallelState]:
+    """Act as TP rank `tp_rank` of `tp` in this process, without process groups: for building
+    a model's shapes offline (checkpoint conversion). Restores the previous state on exit."""
+    global _STATE
+    old, _STATE = _STATE, ParallelState(tp=tp, tp_rank=tp_rank)
+    try:
+        yield _STATE
+    finally:
+        _STATE = old
 
 
 def tp_size() -> int:

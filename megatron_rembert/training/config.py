@@ -79,6 +79,8 @@ class TrainConfig:
     save_interval: int = 1000  # 0 = only at the end and on a signal
     keep_last: int = 3
     save_dir: str = "runs/checkpoints"
+    # Roll back: resume from this step_* folder of save_dir; newer ones are moved aside.
+    resume_from: str = ""
     log_dir: str = "runs/logs"
     max_nonfinite_steps: int = 10  # stop after this many non-finite losses in a row
     # Weights & Biases project ("" = off; wandb is imported only when set; WANDB_MODE=offline

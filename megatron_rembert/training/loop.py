@@ -5,11 +5,15 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from megatron_rembert.checkpoint import folder as protocol
+from megatron_rembert.checkpoint.lock import SaveDirLock
 from megatron_rembert.config import ConfigError
 from megatron_rembert.data.common import sha256_file
 from megatron_rembert.data.loader import build_pretraining_loader, build_validation_loader
@@ -104,16 +108,54 @@ def check_inputs(config: Config, world_size: int, device: torch.device, rank: in
 
 
 def _meta(config: Config, sha: str | None, layout: Layout) -> dict:
-    return {"config": config.to_dict(), "tokenizer_sha256": sha, "layout": layout.sizes()}
+    return {"config": config.to_dict(), "tokenizer_sha256": sha,
+            "dataset_sha256": sha256_file(Path(config.data.path, "manifest.json")),
+            "layout": layout.sizes()}
 
 
-def _resume(trainer, config: Config, layout: Layout) -> tuple[int, int]:
-    folder = ckpt.find_latest(config.train.save_dir)
+@contextmanager
+def _save_dir_locked(config: Config) -> Iterator[None]:
+    """Rank 0 locks train.save_dir (which also proves it writable) before any heavy work;
+    every rank learns whether that worked."""
+    lock = SaveDirLock(config.train.save_dir)
+    error = None
+    if comm.rank() == 0:
+        try:
+            lock.acquire()
+        except ckpt.CheckpointError as err:
+            error = err
+    (failed,) = comm.all_reduce_values([0.0 if error is None else 1.0])
+    if error is not None:
+        raise error
+    if failed:
+        raise ckpt.CheckpointError(f"train.save_dir={config.train.save_dir}: rank 0 could not "
+                                   "lock it (its error says why)")
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _find_resume(config: Config, meta_now: dict, layout: Layout) -> tuple[Path | None, str]:
+    """The folder to resume from (after a roll-back to train.resume_from) and how it loads at
+    this run's layout (training/checkpoint.check_layout), checked before the model is built."""
+    save_dir = Path(config.train.save_dir)
+    if config.train.resume_from:
+        if comm.rank() == 0:
+            moved = protocol.roll_back(save_dir, Path(config.train.resume_from))
+            if moved is None:
+                print(f"train.resume_from={config.train.resume_from}: rolled back before; "
+                      "resuming from 'latest'", flush=True)
+            elif moved:
+                print(f"rolled back to {config.train.resume_from}: moved "
+                      f"{', '.join(p.name for p in moved)} into {moved[0].parent}", flush=True)
+        comm.barrier()
+    folder = ckpt.find_latest(save_dir)
     if folder is None:
-        return 0, 0
+        return None, "same"
     meta = ckpt.read_meta(folder)
     old = meta["config"]["model"]
-    new = config.to_dict()["model"]
+    new = meta_now["config"]["model"]
     changed = sorted(k for k in new if k not in ("loss_backend", "attention_backend", "preset")
                      and old.get(k) != new[k])
     if changed:
@@ -126,9 +168,14 @@ def _resume(trainer, config: Config, layout: Layout) -> tuple[int, int]:
             f"{folder}: trained with train.global_batch_size="
             f"{meta['config']['train']['global_batch_size']}, the config says "
             f"{config.train.global_batch_size}")
-    same_layout = meta["layout"] == layout.sizes()
-    resumed = ckpt.load_checkpoint(trainer.engine, folder, same_layout)
-    return resumed.step, resumed.consumed_samples
+    for key, flag in (("tokenizer_sha256", "data.tokenizer"), ("dataset_sha256", "data.path")):
+        saved, now = meta.get(key), meta_now.get(key)
+        if saved and now and saved != now:
+            raise ckpt.CheckpointError(
+                f"{folder} was trained with {key} {saved[:12]}..., {flag}="
+                f"{getattr(config.data, flag.split('.')[1])} has {now[:12]}...; resume with the "
+                f"checkpoint's {flag} or use a different train.save_dir")
+    return folder, ckpt.check_layout(folder, meta, layout)
 
 
 def train(config: Config, stop: StopFlag | None = None) -> dict:
@@ -145,7 +192,8 @@ def train(config: Config, stop: StopFlag | None = None) -> dict:
                                             config.parallel.backend)
     watchdog = Watchdog(rank, 0.9 * 60 * config.parallel.timeout_minutes).start()
     try:
-        return _train(config, rank, world, device, stop)
+        with _save_dir_locked(config):
+            return _train(config, rank, world, device, stop)
     except Exception as err:
         if is_collective_failure(err):
             raise TrainingError(
@@ -163,6 +211,8 @@ def _train(config: Config, rank: int, world: int, device: torch.device, stop: St
 
     POSITION.set(step=0, phase="start-up")
     layout, sha = check_inputs(config, world, device, rank)
+    meta = _meta(config, sha, layout)
+    resume_folder, how = _find_resume(config, meta, layout)
     state.initialize_model_parallel(layout)
     log = MetricsLogger(config.train.log_dir, enabled=rank == 0, run_config=config.to_dict(),
                         wandb_project=config.train.wandb_project)
@@ -172,10 +222,11 @@ def _train(config: Config, rank: int, world: int, device: torch.device, stop: St
     # rank happens to hold. Resuming restores the saved streams.
     tp_random.seed_all(config.train.seed, device)
     POSITION.set(phase="resume")
-    step, consumed = _resume(trainer, config, layout)
-    if step:
-        log.console(f"resumed from {Path(config.train.save_dir) / ckpt.step_tag(step)} "
-                    f"(step {step}, {consumed} samples consumed)")
+    step, consumed = 0, 0
+    if resume_folder is not None:
+        resumed = ckpt.load_checkpoint(trainer.engine, resume_folder, how)
+        step, consumed = resumed.step, resumed.consumed_samples
+        log.console(f"resumed from {resume_folder} (step {step}, {consumed} samples consumed)")
     train_cfg, data = config.train, config.data
     loader = build_pretraining_loader(data, layout, seed=train_cfg.seed, tokenizer_sha256=sha,
                                       consumed_samples=consumed)
@@ -185,7 +236,6 @@ def _train(config: Config, rank: int, world: int, device: torch.device, stop: St
         log.close()
         return {"step": step, "last_saved": step or None, "last": {},
                 "save_dir": config.train.save_dir, "log_dir": config.train.log_dir}
-    meta = _meta(config, sha, layout)
     flops_token = flops_per_token(config.model, data.seq_length, data.mask_prob)["training"]
     peak = peak_flops(device)
     nonfinite = 0

@@ -65,6 +65,12 @@ def test_truncated_safetensors_and_mismatched_config(hf_dir, tmp_path, capsys):
     _fails(["from-hf", "--model", str(hf), "--out", str(tmp_path / "o"), "--set",
             "model.preset=tiny"], capsys, "num_hidden_layers (2 vs 3)")
     cfg = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**cfg, "hidden_size": "wide"}))
+    _fails(["from-hf", "--model", str(hf), "--out", str(tmp_path / "o")], capsys,
+           "config.json: hidden_size='wide', expected int")
+    (hf / "config.json").write_text(json.dumps({**cfg, "num_attention_heads": 7}))
+    _fails(["from-hf", "--model", str(hf), "--out", str(tmp_path / "o")], capsys,
+           "config.json: model.hidden_size", "num_attention_heads=7")
     cfg["vocab_size"] = 301
     (hf / "config.json").write_text(json.dumps(cfg))
     _fails(["from-hf", "--model", str(hf), "--out", str(tmp_path / "o")], capsys,

@@ -31,6 +31,15 @@ def test_reshard_continues_exactly(trained, tmp_path, tp, pp, world, zero):
     assert losses == pytest.approx(expected, rel=1e-5)
 
 
+def test_resume_at_another_layout_without_converting(trained):
+    """The tp=2 x pp=2 x dp=1 DeepSpeed checkpoint loaded directly at tp=1 x pp=1 x dp=2 (ZeRO-2,
+    other partitions): the trainer reads it as full tensors, optimizer state included."""
+    step_dir, expected = trained
+    losses = run_distributed(train_worker, 2, TINY, overrides(1, 1, 2), str(step_dir), 3, 3,
+                             None, timeout=300)[0]
+    assert losses == pytest.approx(expected, rel=1e-5)
+
+
 def test_reshard_lamb_state(tmp_path):
     """LAMB's moments and step count reshard like Adam's (same state names and shapes)."""
     lamb = ["optim.name=lamb"]

@@ -35,7 +35,7 @@ def train_worker(rank, world_size, model: dict, over: list[str], load: str | Non
     s = state.initialize_model_parallel(layout)
     trainer = Trainer(config, layout, torch.device("cpu"))
     if load:
-        resumed = ckpt.load_checkpoint(trainer.engine, Path(load), same_layout=False)
+        resumed = ckpt.load_checkpoint(trainer.engine, Path(load), how="full")
         assert resumed.step == first_step
     losses = []
     for step in range(first_step, first_step + steps):
@@ -65,7 +65,7 @@ def eval_worker(rank, world_size, model: dict, over: list[str], load: str, batch
     layout = validate_config(config, world_size, rank)
     state.initialize_model_parallel(layout)
     trainer = Trainer(config, layout, torch.device("cpu"))
-    ckpt.load_checkpoint(trainer.engine, Path(load), same_layout=False)
+    ckpt.load_checkpoint(trainer.engine, Path(load), how="full")
     micro = [{k: v[i:i + MICRO] for k, v in batch.items()}
              for i in range(0, len(batch["input_ids"]), MICRO)]
     return trainer.eval_step(micro)[0]

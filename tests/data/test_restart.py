@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_rembert.checkpoint import atomic
 from megatron_rembert.data import common, shards
 from megatron_rembert.data import preprocess as preprocess_mod
 from megatron_rembert.data.common import DataError
@@ -94,7 +95,7 @@ def test_kill_between_any_two_writes_gives_identical_shards(corpus, tokenizer, t
         if len(writes) == kill_at[0]:
             raise _Killed
 
-    for module in (common, shards, preprocess_mod):
+    for module in (atomic, common, shards, preprocess_mod):  # atomic: atomic_write_json's
         monkeypatch.setattr(module, "atomic_write", write)
     preprocess(cfg(tmp_path / "count"))
     names = list(writes)

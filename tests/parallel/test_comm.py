@@ -100,6 +100,9 @@ def test_stop_flag_agrees_on_the_communication_device(meta_comm):
 
 
 class _Engine:
+    module = torch.nn.Linear(2, 2)  # checked finite before the save
+    _config = None
+
     def save_checkpoint(self, save_dir, tag, client_state, save_latest):
         Path(save_dir, tag).mkdir(parents=True, exist_ok=True)
 

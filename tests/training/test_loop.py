@@ -1,8 +1,11 @@
 """train(): resume after a signal or a kill equals an uninterrupted run; failures are clean."""
 
 import json
+import math
 import os
+import shutil
 import signal
+import socket
 from pathlib import Path
 
 import pytest
@@ -52,7 +55,7 @@ def _train(rank, world_size, sets, signal_at=None, die_saving_step=None, nan_fro
         real_save = checkpoint.torch.save
 
         def save(obj, path, *args, **kwargs):
-            if f"step_{die_saving_step:08d}" in str(path):
+            if f"step_{die_saving_step:08d}" in str(getattr(path, "name", path)):
                 os._exit(137)  # as if killed -9 after the engine files, before 'complete'
             return real_save(obj, path, *args, **kwargs)
 
@@ -75,10 +78,11 @@ def uninterrupted(tmp_path_factory, tiny_dataset):
     assert row["consumed_samples"] == 8 and row["lr"] > 0
     assert list((tmp / "logs").glob("events.out.tfevents.*"))  # TensorBoard
     assert len(losses(tmp / "logs", "valid")) == 2  # validation at steps 3 and 6
-    return result
+    return result, tmp / "ckpt"
 
 
 def test_signal_saves_and_resume_matches(tmp_path, tiny_dataset, uninterrupted):
+    uninterrupted, _ = uninterrupted
     sets = overrides(tmp_path, *tiny_dataset)
     stopped = run_distributed(_train, 2, sets, 2)
     assert stopped == [2, 2]  # both ranks stopped at the step after the signal
@@ -91,6 +95,7 @@ def test_signal_saves_and_resume_matches(tmp_path, tiny_dataset, uninterrupted):
 
 
 def test_kill_during_save_keeps_previous_checkpoint(tmp_path, tiny_dataset, uninterrupted):
+    uninterrupted, _ = uninterrupted
     sets = overrides(tmp_path, *tiny_dataset, **{"train.save_interval": 2})
     with pytest.raises(AssertionError, match="hung or died"):
         run_distributed(_train, 1, sets, None, 4, timeout=120)
@@ -126,3 +131,58 @@ def test_lamb_resume_matches_uninterrupted(tmp_path, tiny_dataset):
     assert sorted(resumed) == list(range(1, STEPS + 1))
     for step, loss in expected.items():
         assert resumed[step] == pytest.approx(loss, rel=1e-6), f"step {step}"
+
+
+def test_resume_refuses_other_owner_and_data_then_continues_at_another_dp(
+        tmp_path, tiny_dataset, uninterrupted):
+    """Saved by 2 ranks at step 6: a live lock holder, another dataset (same tokenizer) and
+    another tokenizer are refused in one line; one rank (dp 2 -> 1) then continues directly."""
+    from megatron_rembert.checkpoint import CheckpointError
+    from megatron_rembert.training import loop
+    from megatron_rembert.training.config import load_config
+
+    _, saved = uninterrupted
+    shutil.copytree(saved, tmp_path / "ckpt")
+    data, tokenizer = tiny_dataset
+    sets = overrides(tmp_path, data, tokenizer, **{"train.steps": STEPS + 2})
+    lock = tmp_path / "ckpt" / ".lock"
+    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+    with pytest.raises(CheckpointError, match=rf"is in use by pid {os.getpid()}"):
+        with loop._save_dir_locked(load_config("configs/tiny.yaml", sets)):
+            pass  # what train() does first
+    lock.unlink()
+    other = tmp_path / "other_data"
+    shutil.copytree(data, other)
+    manifest = json.loads((other / "manifest.json").read_text())
+    (other / "manifest.json").write_text(json.dumps(manifest, indent=3))  # another file
+    config = load_config("configs/tiny.yaml", overrides(tmp_path, other, tokenizer))
+    meta = loop._meta(config, "0" * 64, 1)
+    with pytest.raises(CheckpointError, match=r"tokenizer_sha256 .*data.tokenizer="):
+        loop._find_resume(config, meta)
+    meta["tokenizer_sha256"] = json.loads(
+        (tmp_path / "ckpt" / "step_00000006" / "meta.json").read_text())["tokenizer_sha256"]
+    with pytest.raises(CheckpointError, match=rf"dataset_sha256 .*data.path={other}"):
+        loop._find_resume(config, meta)
+    assert run_distributed(_train, 1, sets) == [STEPS + 2]
+    resumed = losses(tmp_path / "logs")
+    assert sorted(resumed) == [STEPS + 1, STEPS + 2]
+    assert all(math.isfinite(v) for v in resumed.values())
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == f"step_{STEPS + 2:08d}"
+
+
+def test_resume_from_rolls_back_without_losing_newer(tmp_path, tiny_dataset, uninterrupted):
+    """train.resume_from names an older folder: newer ones are moved aside, none deleted."""
+    from megatron_rembert.training import loop
+    from megatron_rembert.training.config import load_config
+
+    _, saved = uninterrupted
+    save_dir = tmp_path / "ckpt"
+    shutil.copytree(saved / "step_00000006", save_dir / "step_00000003")  # stands in for 3
+    meta = json.loads((save_dir / "step_00000003" / "meta.json").read_text())
+    shutil.copytree(saved, save_dir, dirs_exist_ok=True)
+    config = load_config("configs/tiny.yaml", overrides(
+        tmp_path, *tiny_dataset, **{"train.resume_from": save_dir / "step_00000003"}))
+    folder, how = loop._find_resume(config, meta)
+    assert folder.name == "step_00000003" and how == "same"
+    assert (save_dir / "latest").read_text().strip() == "step_00000003"
+    assert [p.name for p in save_dir.glob("rolled_back/*/step_*")] == ["step_00000006"]

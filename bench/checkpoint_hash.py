@@ -1,0 +1,124 @@
+"""What the checkpoint manifest costs: the trainer's save with and without sha256 hashing.
+
+One process (gloo), a scaled RemBERT (default 24M parameters, fp32, ZeRO-1: about 190 MiB per
+checkpoint; --hidden/--layers/--vocab scale it), saved into a temporary folder:
+  plain   DeepSpeed's own TorchCheckpointEngine + the RNG file: what saving cost before
+          manifests (nothing hashed)
+  synced  plain, then every file fsynced: what durability alone costs
+  hashed  training/checkpoint.save_checkpoint: every file fsynced and hashed right after it
+          is written (from the page cache, by the rank that wrote it), the manifest,
+          `complete` and `latest` committed, the finite-weights check
+  sha256  hashing the same bytes alone, from memory: the part of `hashed` that is hashing
+Each save is run --reps times, in rotating order (nothing pruned, so none pays for deleting
+an older folder); the fastest of each is compared, and the ratios hashed / plain, hashed /
+synced and sha256 / plain are printed last. Writes land in the page cache here, far faster
+than on a cluster file system, so the ratios are upper bounds of what hashing adds there.
+
+    python bench/checkpoint_hash.py [--hidden 512] [--layers 4] [--vocab 30000] [--reps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=30000)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--dir", help="where to write (default: a temporary folder)")
+    args = parser.parse_args()
+
+    import deepspeed
+    import torch
+    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+    from megatron_rembert.parallel import random as tp_random
+    from megatron_rembert.parallel import state
+    from megatron_rembert.training import checkpoint as ckpt
+    from megatron_rembert.training.config import build_config, validate_config
+    from megatron_rembert.training.engine import Trainer
+
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533", "RANK": "0",
+                       "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+        os.environ.setdefault(key, value)
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = {"preset": "tiny", "vocab_size": args.vocab, "hidden_size": args.hidden,
+             "num_hidden_layers": args.layers, "num_attention_heads": 8,
+             "intermediate_size": 4 * args.hidden, "input_embedding_size": 128,
+             "output_embedding_size": 256}
+    config = build_config({"model": model}, [
+        "parallel.zero_stage=1", "train.precision=fp32", "train.global_batch_size=2",
+        "train.micro_batch_size=2", "data.seq_length=32"])
+    layout = validate_config(config, 1)
+    state.initialize_model_parallel(layout)
+    trainer = Trainer(config, layout, torch.device("cpu"))
+    engine = trainer.engine
+    params = sum(p.numel() for p in engine.module.parameters())
+    meta = {"config": config.to_dict(), "tokenizer_sha256": None,
+            "layout": {"tp": 1, "pp": 1, "dp": 1}}
+    root = Path(args.dir or tempfile.mkdtemp(prefix="checkpoint_hash."))
+
+    def plain(i: int) -> None:
+        engine.checkpoint_engine = TorchCheckpointEngine(engine._config)
+        tag = f"step_{i:08d}"
+        engine.save_checkpoint(str(root / "plain"), tag=tag, save_latest=False,
+                               client_state={"step": i, "consumed_samples": 0})
+        (root / "plain" / tag / "rng").mkdir(parents=True, exist_ok=True)
+        torch.save(tp_random.get_rng_states(), root / "plain" / tag / "rng" / "rank_00000.pt")
+
+    def synced(i: int) -> None:
+        plain(i)
+        for f in (root / "plain" / f"step_{i:08d}").rglob("*"):
+            if f.is_file():
+                fd = os.open(f, os.O_RDONLY)
+                os.fsync(fd)
+                os.close(fd)
+
+    def hashed(i: int) -> None:
+        ckpt.save_checkpoint(engine, root / "hashed", i, 0, meta, keep_last=args.reps)
+
+    times: dict[str, list[float]] = {"plain": [], "synced": [], "hashed": []}
+    try:
+        for i in range(1, args.reps + 1):
+            order = (("plain", plain), ("synced", synced), ("hashed", hashed))
+            for name, save in order if i % 2 else order[::-1]:
+                shutil.rmtree(root / "plain", ignore_errors=True)
+                start = time.perf_counter()
+                save(i)
+                times[name].append(time.perf_counter() - start)
+        files = [f for f in (root / "hashed" / ckpt.step_tag(args.reps)).rglob("*")
+                 if f.is_file()]
+        size = sum(f.stat().st_size for f in files)
+        blobs = [f.read_bytes() for f in files]
+        for _ in range(args.reps):
+            start = time.perf_counter()
+            for blob in blobs:
+                hashlib.sha256(blob).hexdigest()
+            times.setdefault("sha256", []).append(time.perf_counter() - start)
+    finally:
+        if not args.dir:
+            shutil.rmtree(root, ignore_errors=True)
+    best = {k: min(v) for k, v in times.items()}
+    print(f"{params / 1e6:.1f}M parameters, {size / 2**20:.0f} MiB per checkpoint, "
+          f"best of {args.reps}")
+    for name, seconds in best.items():
+        print(f"  {name:7s} {seconds:6.2f} s  ({size / 2**20 / seconds:6.0f} MiB/s)")
+    print(f"hashed / plain: {best['hashed'] / best['plain']:.2f}; hashed / synced: "
+          f"{best['hashed'] / best['synced']:.2f}; sha256 / plain: "
+          f"{best['sha256'] / best['plain']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""Writing files so that a kill never leaves half of one, and hashing them while writing.
+
+Torch-free on purpose: the data tools' worker processes import it too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def fsync_dir(path: Path) -> None:
+    # A rename is durable only once the directory entry is on disk.
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[Any], None], binary: bool = True
+                 ) -> None:
+    """Write `path` via a temp file in the same folder, fsync, then rename: a reader (or a
+    rerun after a kill) sees either the old file, no file, or the whole new file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
+    try:
+        with open(tmp, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    fsync_dir(path.parent)
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    atomic_write(path, lambda f: json.dump(obj, f, indent=1, sort_keys=True), binary=False)
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+class HashingFile:
+    """A write-only binary file that keeps the sha256 and size of what went through it."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.name = str(path)  # as a real file object has
+        self._file = open(path, "wb")
+        self._hash = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self._hash.update(view)
+        self.size += len(view)
+        return self._file.write(view)
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.flush()
+            os.fsync(self._file.fileno())  # on disk before anything names the file good
+            self._file.close()
+
+    def record(self) -> dict:
+        """The manifest entry of this file: {"size", "sha256"}."""
+        return {"size": self.size, "sha256": self._hash.hexdigest()}
+
+    def __enter__(self) -> HashingFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,153 @@
+"""File access for checkpoints: atomic writes, sha256 while writing, safe reads.
+
+- atomic.py: `atomic_write` (also used by the data tools) and `HashingFile`, which hashes every
+  byte written through it, so a checkpoint's manifest costs no second read of what we write.
+- `SafetensorsWriter` streams one tensor at a time (the header is computed up front).
+- Reading is only ever safetensors or `torch.load(weights_only=True)`: a pickle that carries
+  code is refused, never run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pickle
+import re
+import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_rembert.checkpoint import CheckpointError
+from megatron_rembert.checkpoint.atomic import HashingFile
+
+# safetensors dtype names (the format's own spelling).
+_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.int8: "I8",
+              torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+class SafetensorsWriter:
+    """Streams tensors into one .safetensors file in a fixed order, hashing as it writes.
+
+    `entries`: (name, dtype, shape) of every tensor, in the order they will be written.
+    """
+
+    def __init__(self, path: str | Path, entries: list[tuple[str, torch.dtype, tuple]],
+                 metadata: dict[str, str] | None = None):
+        header: dict = {"__metadata__": metadata} if metadata else {}
+        offset = 0
+        self._expected: list[tuple[str, torch.dtype, tuple]] = []
+        for name, dtype, shape in entries:
+            if dtype not in _ST_DTYPES:
+                raise CheckpointError(f"{path}: cannot write {name} of dtype {dtype}")
+            size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + size]}
+            offset += size
+            self._expected.append((name, dtype, tuple(shape)))
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the format aligns the data to 8 bytes
+        self.path = Path(path)
+        self._file = HashingFile(self.path)
+        self._file.write(struct.pack("<Q", len(raw)) + raw)
+        self._next = 0
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if self._next == len(self._expected):
+            raise CheckpointError(f"{self.path}: {name} is one tensor more than the header")
+        exp_name, dtype, shape = self._expected[self._next]
+        if (name, tensor.dtype, tuple(tensor.shape)) != (exp_name, dtype, shape):
+            raise CheckpointError(f"{self.path}: expected {exp_name} {dtype} {shape}, got "
+                                  f"{name} {tensor.dtype} {tuple(tensor.shape)}")
+        data = tensor.detach().contiguous().cpu()
+        if data.numel():
+            self._file.write(data.view(torch.uint8).numpy())
+        self._next += 1
+
+    def record(self) -> dict:
+        return self._file.record()
+
+    def close(self) -> None:
+        missing = [n for n, _, _ in self._expected[self._next:]]
+        self._file.close()
+        if missing:
+            raise CheckpointError(f"{self.path}: {len(missing)} tensors never written, e.g. "
+                                  f"{missing[:3]}")
+
+    def __enter__(self) -> SafetensorsWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self._file.close()
+
+
+@contextmanager
+def safe_open_checked(path: str | Path) -> Iterator[Any]:
+    """`safetensors.safe_open` that names the file when it is missing, truncated or corrupt."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such file")
+    try:
+        handle = safe_open(str(path), framework="pt")
+    except Exception as err:  # noqa: BLE001 - safetensors raises several error types
+        raise CheckpointError(f"{path}: not a valid safetensors file ({err}); it may be "
+                              "truncated: copy it again") from err
+    _check_safetensors_size(path)
+    with handle as f:
+        yield f
+
+
+def _check_safetensors_size(path: Path) -> None:
+    """safe_open maps the file lazily; check up front that every tensor's bytes are there."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"),
+              default=0)
+    if path.stat().st_size < 8 + n + end:
+        raise CheckpointError(f"{path}: truncated ({path.stat().st_size} bytes, the header "
+                              f"promises {8 + n + end}); copy it again")
+
+
+def deepspeed_safe_globals() -> list[type]:
+    """The classes DeepSpeed's own checkpoint bookkeeping pickles besides tensors and plain
+    data; trusted by name, so `weights_only=True` loads DeepSpeed's files."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [fragment_address, LossScaler, DynamicLossScaler, ZeroStageEnum]
+
+
+def torch_load_weights(path: str | Path, mmap: bool = True, allowed: tuple | list = (),
+                       map_location: Any = "cpu") -> Any:
+    """`torch.load(weights_only=True)`, memory-mapped; refuses pickles that carry code.
+
+    `allowed`: extra classes trusted by name (DeepSpeed's own checkpoint bookkeeping).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such file")
+    try:
+        with torch.serialization.safe_globals(list(allowed)):
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as err:
+        found = re.search(r"GLOBAL ([\w.]+)", str(err))
+        what = f" ({found.group(1)})" if found else ""
+        raise CheckpointError(
+            f"{path}: refused to load: the pickle holds objects other than tensors and plain "
+            f"data{what}, which could run code. Only load files you trust") from err
+    except (RuntimeError, EOFError, OSError) as err:
+        if mmap and "mmap" in str(err):  # legacy (non-zip) files cannot be memory-mapped
+            return torch_load_weights(path, mmap=False, allowed=allowed,
+                                      map_location=map_location)
+        raise CheckpointError(f"{path}: unreadable ({err}); it may be truncated") from err

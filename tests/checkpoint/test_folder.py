@@ -1,0 +1,110 @@
+"""The step-folder protocol and the save_dir lock, on plain files (no model)."""
+
+import errno
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from megatron_rembert.checkpoint import CheckpointError
+from megatron_rembert.checkpoint import folder as protocol
+from megatron_rembert.checkpoint import lock as lock_module
+from megatron_rembert.checkpoint.lock import SaveDirLock
+
+META = {"config": {"model": {"preset": "tiny"}}, "layout": {"tp": 1, "pp": 1, "dp": 1},
+        "consumed_samples": 0}
+
+
+def _save(save_dir, step, keep_last=10):
+    """A complete step folder the way a save commits it (one data file)."""
+    folder = save_dir / protocol.step_tag(step)
+    folder.mkdir(parents=True)
+    (folder / "weights.bin").write_bytes(bytes([step]) * 64)
+    protocol.commit(save_dir, folder, {**META, "step": step}, {}, keep_last)
+    return folder
+
+
+def _steps(save_dir):
+    return sorted(p.name for p in save_dir.glob("step_*"))
+
+
+def test_keep_last_never_deletes_latest_or_newer(tmp_path):
+    for step in (2, 4, 6):
+        _save(tmp_path, step)
+    (tmp_path / "latest").write_text("step_00000002\n")  # `latest` set back by hand
+    _save(tmp_path, 3, keep_last=1)
+    assert (tmp_path / "latest").read_text().strip() == "step_00000003"
+    # Step 2 is older than latest and beyond keep_last; 4 and 6 are newer: kept.
+    assert _steps(tmp_path) == ["step_00000003", "step_00000004", "step_00000006"]
+
+
+def test_roll_back_moves_newer_folders_aside(tmp_path):
+    for step in (2, 4, 6):
+        _save(tmp_path, step)
+    moved = protocol.roll_back(tmp_path, tmp_path / "step_00000004")
+    assert [p.name for p in moved] == ["step_00000006"]
+    assert (tmp_path / "latest").read_text().strip() == "step_00000004"
+    aside = list((tmp_path / protocol.ROLLED_BACK).glob("*/step_00000006"))
+    assert len(aside) == 1 and (aside[0] / "complete").exists()  # moved, not deleted
+    _save(tmp_path, 5, keep_last=2)  # the next save after the roll-back prunes nothing newer
+    assert protocol.find_latest(tmp_path).name == "step_00000005"
+    # A restart with the same train.resume_from (a requeued job) keeps the progress since.
+    assert protocol.roll_back(tmp_path, tmp_path / "step_00000004") is None
+    assert protocol.find_latest(tmp_path).name == "step_00000005"
+    with pytest.raises(CheckpointError, match="not a step folder of"):
+        protocol.roll_back(tmp_path, aside[0])
+
+
+def test_manifest_names_the_file_that_differs(tmp_path):
+    folder = _save(tmp_path, 1)
+    files = json.loads((folder / "manifest.json").read_text())["files"]
+    assert sorted(files) == ["meta.json", "weights.bin"]
+    assert protocol.verify(folder)
+    data = bytearray((folder / "weights.bin").read_bytes())
+    data[10] ^= 0xFF
+    (folder / "weights.bin").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"weights.bin: sha256 differs"):
+        protocol.verify(folder)
+    (folder / "weights.bin").write_bytes(bytes(data[:-1]))
+    with pytest.raises(CheckpointError, match=r"weights.bin: 63 bytes, .* says 64"):
+        protocol.verify(folder)
+    (folder / "extra.pt").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match=r"extra.pt: not in"):
+        protocol.verify(folder)
+    os.remove(folder / "manifest.json")  # a checkpoint from before manifests
+    assert protocol.verify(folder) is False
+
+
+def test_meta_without_a_section_is_one_clear_error(tmp_path):
+    folder = _save(tmp_path, 1)
+    meta = json.loads((folder / "meta.json").read_text())
+    del meta["layout"]
+    (folder / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=r"meta.json: no layout in it"):
+        protocol.read_meta(folder)
+
+
+def test_second_holder_refused_stale_lock_taken_over(tmp_path):
+    with SaveDirLock(tmp_path / "run"):
+        with pytest.raises(CheckpointError, match=rf"in use by pid {os.getpid()} on host "
+                                                  rf"{socket.gethostname()}"):
+            SaveDirLock(tmp_path / "run").acquire()
+    assert not (tmp_path / "run" / ".lock").exists()  # released
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / "run" / ".lock").write_text(json.dumps(
+        {"host": socket.gethostname(), "pid": dead.pid, "since": "earlier"}))
+    with SaveDirLock(tmp_path / "run") as lock:  # its holder is dead: stale
+        assert json.loads(lock.path.read_text())["pid"] == os.getpid()
+
+
+def test_read_only_save_dir_found_when_locking(tmp_path, monkeypatch):
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(lock_module.os, "open", read_only)
+    with pytest.raises(CheckpointError, match=r"train.save_dir=.*: not writable \(Read-only"):
+        SaveDirLock(tmp_path).acquire()

@@ -1,0 +1,73 @@
+"""Integrity of the trainer's checkpoints: hashed at save, verified before any unpickling,
+pickles that carry code never run, old checkpoints (no manifest) still load, and a save that
+fails or would store non-finite weights leaves `latest` on the last good checkpoint."""
+
+import json
+import shutil
+
+import pytest
+
+from megatron_rembert.checkpoint.atomic import sha256_file
+from megatron_rembert.convert.__main__ import main
+from tests.checkpoint.workers import integrity_worker
+from tests.distributed import run_distributed
+
+
+@pytest.fixture(scope="module")
+def damaged(tmp_path_factory):
+    root = tmp_path_factory.mktemp("integrity")
+    return root, run_distributed(integrity_worker, 1, str(root), timeout=300)[0]
+
+
+def test_manifest_lists_every_file_as_saved(damaged):
+    root, out = damaged
+    folder = root / "run" / "step_00000001"
+    files = json.loads((folder / "manifest.json").read_text())["files"]
+    on_disk = sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
+                     if p.is_file() and p.name not in ("manifest.json", "complete"))
+    assert sorted(files) == on_disk
+    assert "zero_pp_rank_0_mp_rank_00_optim_states.pt" in files and "rng/rank_00000.pt" in files
+    for name, record in files.items():
+        assert record == {"size": (folder / name).stat().st_size,
+                          "sha256": sha256_file(folder / name)}, name
+
+
+def test_code_carrying_pickles_never_run(damaged):
+    root, out = damaged
+    assert out["old_step"] == 1  # a checkpoint from before manifests still loads
+    # Without a manifest the guarded load refuses it; with one, the hash does first.
+    assert "mp_rank_00_model_states.pt: refused to load" in out["old_evil_model"]
+    assert "zero_pp_rank_0_mp_rank_00_optim_states.pt: " in out["new_evil_optim"]
+    assert "manifest.json" in out["new_evil_optim"]
+    assert not list(root.glob("*.ran"))  # nothing ran
+    assert "mp_rank_00_model_states.pt: unreadable" in out["old_truncated"]
+
+
+def test_failed_or_non_finite_save_keeps_last_good(damaged):
+    root, out = damaged
+    assert "No space left on device" in out["full_disk"]
+    assert "non-finite" in out["non_finite"] or "inf or NaN" in out["non_finite"]
+    save_dir = root / "run"
+    assert (save_dir / "latest").read_text().strip() == "step_00000001"
+    assert sorted(p.name for p in save_dir.glob("step_*")) == ["step_00000001"]
+    for message in out.values():
+        assert "\n" not in str(message)
+
+
+def test_flipped_optimizer_bytes_refused_by_reshard(damaged, tmp_path, capsys):
+    root, _ = damaged
+    step = tmp_path / "run" / "step_00000001"
+    shutil.copytree(root / "run" / "step_00000001", step)
+    optim = step / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    data = bytearray(optim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    optim.write_bytes(bytes(data))
+    assert main(["reshard", "--checkpoint", str(step), "--out", str(tmp_path / "r"),
+                 "--tp", "1", "--pp", "1"]) == 2
+    assert "zero_pp_rank_0_mp_rank_00_optim_states.pt: sha256 differs" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+    # --out on the run's own save folder: refused before anything is replaced.
+    assert main(["reshard", "--checkpoint", str(root / "run" / "step_00000001"), "--out",
+                 str(root / "run"), "--tp", "1", "--pp", "1", "--force"]) == 2
+    assert "own save folder" in capsys.readouterr().err
+    assert (root / "run" / "step_00000001" / "complete").exists()

@@ -1,0 +1,98 @@
+"""Trainer runs for the integrity tests (module-level: spawned gloo workers import them)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from tests.convert.workers import GLOBAL_BATCH, MICRO, overrides
+from tests.training.helpers import micro_batches
+
+
+class Evil:
+    """A pickle that carries code: unpickling it creates the file `marker`."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _copy(folder: Path, root: Path, name: str, old_format: bool = False) -> Path:
+    """A copy of step folder `folder` in its own save_dir `root/name`; `old_format`: without
+    manifest.json, i.e. the folder exactly as the code before manifests wrote it (the same
+    DeepSpeed files, rng/ and meta.json; only the manifest is new)."""
+    target = root / name / folder.name
+    shutil.copytree(folder, target)
+    if old_format:
+        os.remove(target / "manifest.json")
+    return target
+
+
+def _error(fn) -> str:
+    from megatron_rembert.checkpoint import CheckpointError
+
+    try:
+        fn()
+    except CheckpointError as err:
+        return str(err)
+    return "no error"
+
+
+def integrity_worker(rank, world_size, root: str) -> dict:
+    """Train one step at tp = pp = dp = 1 (ZeRO-1), save it, then load damaged copies."""
+    import deepspeed
+
+    from megatron_rembert.parallel import state
+    from megatron_rembert.training import checkpoint as ckpt
+    from megatron_rembert.training.config import build_config, validate_config
+    from megatron_rembert.training.engine import Trainer
+
+    root = Path(root)
+    deepspeed.init_distributed(dist_backend="gloo")
+    config = build_config({"model": {"preset": "tiny"}}, overrides(1, 1, 1))
+    layout = validate_config(config, world_size)
+    state.initialize_model_parallel(layout)
+    trainer = Trainer(config, layout, torch.device("cpu"))
+    trainer.train_step(micro_batches(0, GLOBAL_BATCH, MICRO, 0, 1, config.model.vocab_size))
+    meta = {"config": config.to_dict(), "tokenizer_sha256": None,
+            "layout": {"tp": 1, "pp": 1, "dp": 1}}
+    save_dir = root / "run"
+    good = ckpt.save_checkpoint(trainer.engine, save_dir, 1, GLOBAL_BATCH, meta, keep_last=5)
+
+    def load(folder):
+        return lambda: ckpt.load_checkpoint(trainer.engine, folder, how="same")
+
+    out = {"good": str(good)}
+    old = _copy(good, root, "old", old_format=True)
+    out["old_step"] = ckpt.load_checkpoint(trainer.engine, old, how="same").step
+    for name, old_format, file in (("old_evil_model", True, "mp_rank_00_model_states.pt"),
+                                   ("new_evil_optim", False,
+                                    "zero_pp_rank_0_mp_rank_00_optim_states.pt")):
+        folder = _copy(good, root, name, old_format)
+        torch.save({"payload": Evil(str(root / f"{name}.ran"))}, folder / file)
+        out[name] = _error(load(folder))
+    truncated = _copy(good, root, "old_truncated", old_format=True)
+    model_file = truncated / "mp_rank_00_model_states.pt"
+    model_file.write_bytes(model_file.read_bytes()[: model_file.stat().st_size // 2])
+    out["old_truncated"] = _error(load(truncated))
+
+    real_save = ckpt.GuardedCheckpointEngine.save
+
+    def full_disk(self, state_dict, path):
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+
+    ckpt.GuardedCheckpointEngine.save = full_disk
+    out["full_disk"] = _error(lambda: ckpt.save_checkpoint(
+        trainer.engine, save_dir, 2, 2 * GLOBAL_BATCH, meta, keep_last=5))
+    ckpt.GuardedCheckpointEngine.save = real_save
+    with torch.no_grad():
+        next(trainer.engine.module.parameters())[0] = float("inf")  # what optim.lr=inf does
+    out["non_finite"] = _error(lambda: ckpt.save_checkpoint(
+        trainer.engine, save_dir, 3, 3 * GLOBAL_BATCH, meta, keep_last=5))
+    return out
