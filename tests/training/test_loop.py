@@ -139,7 +139,7 @@ def test_resume_refuses_other_owner_and_data_then_continues_at_another_dp(
     another tokenizer are refused in one line; one rank (dp 2 -> 1) then continues directly."""
     from megatron_rembert.checkpoint import CheckpointError
     from megatron_rembert.training import loop
-    from megatron_rembert.training.config import load_config
+    from megatron_rembert.training.config import load_config, validate_config
 
     _, saved = uninterrupted
     shutil.copytree(saved, tmp_path / "ckpt")
@@ -156,13 +156,14 @@ def test_resume_refuses_other_owner_and_data_then_continues_at_another_dp(
     manifest = json.loads((other / "manifest.json").read_text())
     (other / "manifest.json").write_text(json.dumps(manifest, indent=3))  # another file
     config = load_config("configs/tiny.yaml", overrides(tmp_path, other, tokenizer))
-    meta = loop._meta(config, "0" * 64, 1)
+    layout = validate_config(config, 1)
+    meta = loop._meta(config, "0" * 64, layout)
     with pytest.raises(CheckpointError, match=r"tokenizer_sha256 .*data.tokenizer="):
-        loop._find_resume(config, meta)
+        loop._find_resume(config, meta, layout)
     meta["tokenizer_sha256"] = json.loads(
         (tmp_path / "ckpt" / "step_00000006" / "meta.json").read_text())["tokenizer_sha256"]
     with pytest.raises(CheckpointError, match=rf"dataset_sha256 .*data.path={other}"):
-        loop._find_resume(config, meta)
+        loop._find_resume(config, meta, layout)
     assert run_distributed(_train, 1, sets) == [STEPS + 2]
     resumed = losses(tmp_path / "logs")
     assert sorted(resumed) == [STEPS + 1, STEPS + 2]
@@ -173,7 +174,7 @@ def test_resume_refuses_other_owner_and_data_then_continues_at_another_dp(
 def test_resume_from_rolls_back_without_losing_newer(tmp_path, tiny_dataset, uninterrupted):
     """train.resume_from names an older folder: newer ones are moved aside, none deleted."""
     from megatron_rembert.training import loop
-    from megatron_rembert.training.config import load_config
+    from megatron_rembert.training.config import load_config, validate_config
 
     _, saved = uninterrupted
     save_dir = tmp_path / "ckpt"
@@ -182,7 +183,7 @@ def test_resume_from_rolls_back_without_losing_newer(tmp_path, tiny_dataset, uni
     shutil.copytree(saved, save_dir, dirs_exist_ok=True)
     config = load_config("configs/tiny.yaml", overrides(
         tmp_path, *tiny_dataset, **{"train.resume_from": save_dir / "step_00000003"}))
-    folder, how = loop._find_resume(config, meta)
+    folder, how = loop._find_resume(config, meta, validate_config(config, meta["layout"]["dp"]))
     assert folder.name == "step_00000003" and how == "same"
     assert (save_dir / "latest").read_text().strip() == "step_00000003"
     assert [p.name for p in save_dir.glob("rolled_back/*/step_*")] == ["step_00000006"]
