@@ -126,3 +126,24 @@ def test_validation_set_is_stratified_and_layout_free(dataset):
     counts = build_validation_set(data, Layout(micro_batch_size=8), seed=3,
                                   per_language=5).dataset.rows_per_language
     assert {k: len(v) for k, v in first.items()} == {k: min(5, counts[k]) for k in first}
+
+
+def test_sampling_report_by_phase(dataset, tmp_path):
+    from megatron_rembert.data.common import DataError
+    from megatron_rembert.data.inspection import config_sampling_table
+
+    config = tmp_path / "run.yaml"
+    config.write_text("data: {phase_starts: [0.0, 0.5], phase_alpha: [1.0, 0.0], "
+                      "language_start: {hang: 0.75}}\ntrain: {steps: 100}\n")
+    lines = config_sampling_table(dataset, config).splitlines()
+    assert "phase 0 step 0 alpha 1" in lines[1] and "phase 1 step 75 alpha 0" in lines[1]
+    table = {line.split()[0]: line.split()[1:] for line in lines[3:]}
+    # columns: share; steps 0 (alpha 1), 50 (alpha 0), 75 (alpha 0, hang entered)
+    assert len(table) == 8 and table["hang"][1:] == ["0.0%", "0.0%", "12.5%"]
+    share = float(table["latn_a"][0][:-1])  # alpha 1: the token share, without hang's
+    assert float(table["latn_a"][1][:-1]) == pytest.approx(
+        share / (1 - float(table["hang"][0][:-1]) / 100), abs=0.1)
+    assert table["latn_a"][2:] == ["14.3%", "12.5%"]  # uniform over 7, then 8
+    config.write_text("data: {language_start: {sw: 0.5}}\n")
+    with pytest.raises(DataError, match=r"names \['sw'\], which the dataset does not have"):
+        config_sampling_table(dataset, config)
