@@ -5,6 +5,7 @@
         --tokenizer demo_out/tokenizer/spm.model
     python data_tools/inspect_shards.py demo_out/data --decode 3 \\
         --tokenizer demo_out/tokenizer/spm.model
+    python data_tools/inspect_shards.py data/mmbert --config configs/mmbert.yaml
 
 Exit code 1 when --verify finds problems, 2 on an unreadable dataset.
 """
@@ -14,8 +15,14 @@ import sys
 
 import _path  # noqa: F401
 
+from megatron_rembert.config import ConfigError
 from megatron_rembert.data.common import DataError
-from megatron_rembert.data.inspection import decode_samples, summarize, verify
+from megatron_rembert.data.inspection import (
+    config_sampling_table,
+    decode_samples,
+    summarize,
+    verify,
+)
 
 
 def main() -> None:
@@ -28,9 +35,13 @@ def main() -> None:
                    help="print N random rows as text (needs --tokenizer)")
     p.add_argument("--split", choices=["train", "valid"], default="train")
     p.add_argument("--tokenizer", help="SentencePiece .model the dataset was made with")
+    p.add_argument("--config", help="a training config: also print each language's sampling "
+                   "probability in every phase of its schedule")
     a = p.parse_args()
     try:
         print(summarize(a.data_dir))
+        if a.config:
+            print(config_sampling_table(a.data_dir, a.config))
         if a.verify:
             problems = verify(a.data_dir, a.tokenizer)
             for msg in problems:
@@ -43,7 +54,7 @@ def main() -> None:
                 p.error("--decode needs --tokenizer PATH.model")
             for lang, text in decode_samples(a.data_dir, a.tokenizer, a.decode, a.split):
                 print(f"--- [{lang}] {text}")
-    except DataError as e:
+    except (DataError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 

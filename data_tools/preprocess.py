@@ -13,9 +13,10 @@ import sys
 
 import _path  # noqa: F401
 
+from megatron_rembert.config import ConfigError
 from megatron_rembert.data.common import DataError
 from megatron_rembert.data.corpus import DEFAULT_MAX_LINE_BYTES, SKIPPED_VS_ERRORS
-from megatron_rembert.data.inspection import summary_table
+from megatron_rembert.data.inspection import config_sampling_table, summary_table
 from megatron_rembert.data.preprocess import PreprocessConfig, preprocess
 from megatron_rembert.paths import is_inside, unwritable_reason, write_failure
 
@@ -37,6 +38,8 @@ def main() -> None:
     p.add_argument("--max-line-bytes", type=int, default=DEFAULT_MAX_LINE_BYTES,
                    help="longer lines are skipped (counted)")
     p.add_argument("--alpha", type=float, default=0.5, help="only for the summary's p column")
+    p.add_argument("--config", help="a training config: also print each language's sampling "
+                   "probability in every phase of its schedule")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a dataset in --out made with other settings")
     p.add_argument("--no-progress", action="store_true")
@@ -60,6 +63,12 @@ def main() -> None:
               file=sys.stderr)
         sys.exit(1)
     print(summary_table(manifest, a.alpha))
+    if a.config:
+        try:
+            print(config_sampling_table(a.out, a.config))
+        except (DataError, ConfigError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
     skipped = {k: v for k, v in manifest["skipped"].items() if v}
     print(f"skipped input: {skipped or 'nothing'}")
     print(f"wrote {len(manifest['shards'])} shards and {a.out}/manifest.json")

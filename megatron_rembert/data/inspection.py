@@ -8,7 +8,9 @@ from pathlib import Path
 import numpy as np
 
 from megatron_rembert.data.common import DataError, format_table, sha256_file
-from megatron_rembert.data.sampler import language_weights
+from megatron_rembert.data.config import DataConfig
+from megatron_rembert.data.sampler import MultilingualSampler, language_weights
+from megatron_rembert.data.schedule import Schedule
 from megatron_rembert.data.shards import MANIFEST, ShardDataset, open_shard, read_manifest
 
 
@@ -24,6 +26,39 @@ def summary_table(manifest: dict, alpha: float = 0.5) -> str:
     header = ["lang", "docs", "train seqs", "valid seqs", "train tokens", "share",
               f"p(alpha={alpha})"]
     return format_table(header, rows)
+
+
+def sampling_table(manifest: dict, data: DataConfig, steps: int) -> str:
+    """Per language: its share of the training tokens and its sampling probability in each
+    stretch of a config's schedule (a column per phase start and language entry, as the
+    sampler cuts the stream). A language the dataset lacks is a DataError naming it."""
+    langs = sorted(manifest["languages"])
+    unknown = sorted(set(data.language_start) - set(langs))
+    if unknown:
+        raise DataError(f"data.language_start names {unknown}, which the dataset does not "
+                        f"have (its languages: {', '.join(langs)})")
+    tokens = [manifest["languages"][x]["train_tokens"] for x in langs]
+    rows = [manifest["languages"][x]["train_rows"] for x in langs]
+    schedule = Schedule(data, steps)
+    columns, header = [], ["lang", "share"]
+    for step, alpha, active in schedule.segments(langs):
+        sampler = MultilingualSampler(rows, tokens, alpha, active=active)
+        columns.append(sampler.probs)
+        header.append(f"phase {schedule.phases.index(schedule.phase(step))} "
+                      f"step {step:,} alpha {alpha:g}")
+    total = sum(tokens) or 1
+    table = [[lang, f"{100 * tokens[i] / total:.1f}%",
+              *(f"{100 * c[i]:.1f}%" for c in columns)] for i, lang in enumerate(langs)]
+    return "sampling probability by phase:\n" + format_table(header, table)
+
+
+def config_sampling_table(data_dir: str | os.PathLike, config_path: str | os.PathLike) -> str:
+    """`sampling_table` of a dataset under the schedule of a training config (checked first)."""
+    from megatron_rembert.training.config import check_ranges, load_config
+
+    config = load_config(config_path)
+    check_ranges(config)
+    return sampling_table(read_manifest(data_dir), config.data, config.train.steps)
 
 
 def summarize(data_dir: str | os.PathLike, alpha: float = 0.5) -> str:

@@ -1,8 +1,9 @@
 """Micro-batch loaders for the trainer: worker processes, bounded prefetch, in-order delivery.
 
 Every micro-batch is a pure function of its number (sample indices from the sampler, masks
-from (seed, sample index)), so workers can build them in any order and the loader hands them
-out in order; the result does not depend on `num_workers`.
+from (seed, sample index) at the mask rate of the step the sample belongs to), so workers can
+build them in any order and the loader hands them out in order; the result does not depend on
+`num_workers`.
 
 A batch is handed out only once the background sha256 checks of the shards it read have
 passed (`ShardDataset.wait_verified`, in the training process); every token id is checked
@@ -27,7 +28,8 @@ import numpy as np
 from megatron_rembert.data.common import DataError, ordered_map
 from megatron_rembert.data.config import DataConfig
 from megatron_rembert.data.masking import MaskingConfig, default_max_predictions, mask_batch
-from megatron_rembert.data.sampler import MultilingualSampler, rank_sample_indices
+from megatron_rembert.data.sampler import ScheduledSampler, rank_sample_indices, rng_for
+from megatron_rembert.data.schedule import Schedule
 from megatron_rembert.data.shards import ShardDataset
 from megatron_rembert.parallel.layout import Layout
 
@@ -35,25 +37,31 @@ from megatron_rembert.parallel.layout import Layout
 class TrainBatches:
     """Micro-batch j of this rank (j = 0, 1, ... from the resume point) -> batch dict."""
 
-    def __init__(self, dataset: ShardDataset, sampler: MultilingualSampler, masking: MaskingConfig,
-                 word_starts, layout: Layout, consumed_samples: int):
+    def __init__(self, dataset: ShardDataset, sampler: ScheduledSampler, masking: MaskingConfig,
+                 word_starts, layout: Layout, consumed_samples: int, schedule: Schedule):
         if consumed_samples % layout.global_batch_size:
             raise DataError(f"consumed_samples {consumed_samples} is not a multiple of the global "
                             f"batch size {layout.global_batch_size}; resume with the global batch "
                             "size the checkpoint was trained with.")
         self.dataset, self.sampler, self.masking, self.word_starts = (
             dataset, sampler, masking, word_starts)
-        self.layout = layout
+        self.layout, self.schedule = layout, schedule
         self.first_step = consumed_samples // layout.global_batch_size
 
     def indices(self, j: int) -> np.ndarray:
         step, micro = divmod(j, self.layout.gas)
         return rank_sample_indices(self.first_step + step, micro, self.layout)
 
+    def mask_probs(self, idx: np.ndarray) -> np.ndarray:
+        """The scheduled mask rate of each sample: that of the step it belongs to."""
+        steps = idx // self.layout.global_batch_size
+        return np.array([self.schedule.mask_prob(s) for s in steps.tolist()])
+
     def __call__(self, j: int) -> dict[str, np.ndarray]:
         idx = self.indices(j)
         lang, row = self.sampler(idx)
-        return mask_batch(self.dataset.get(lang, row), idx, self.masking, self.word_starts)
+        return mask_batch(self.dataset.get(lang, row), idx, self.masking, self.word_starts,
+                          self.mask_probs(idx))
 
     def ready(self, j: int) -> None:
         """Return once the shards micro-batch j reads have passed their sha256 checks."""
@@ -62,33 +70,55 @@ class TrainBatches:
 
 
 class ValidBatches:
-    """The validation split in manifest order, micro-batch j of this rank. Global validation
-    batch g is rows [g*m*dp, (g+1)*m*dp); rank r takes the r-th slice of m rows; a last
-    incomplete global batch is dropped so that every rank sees the same number of batches."""
+    """The fixed validation set, one language at a time: for each language the first
+    min(per_language, its rows) of its validation rows in an order shuffled by
+    rng(seed, 3, language) (a pure function of the seed: the same sequences in every layout and
+    after every resume), masked at `masking.mask_prob` with the generator of the row's index in
+    manifest order.
+
+    Micro-batch j of language l on this rank takes the positions of its sample indices in a
+    global batch (`rank_sample_indices`); positions past the language's set are padding rows
+    with all masked_weights 0, so that every rank runs whole global batches."""
 
     def __init__(self, dataset: ShardDataset, masking: MaskingConfig, word_starts,
-                 layout: Layout):
+                 layout: Layout, per_language: int, seed: int):
         self.dataset, self.masking, self.word_starts = dataset, masking, word_starts
-        self.m, self.r, self.dp = layout.micro_batch_size, layout.dp_rank, layout.dp
-        counts = [dataset.rows_per_language[lang] for lang in dataset.languages]
-        self.lang_of = np.repeat(np.arange(len(counts)), counts)
-        self.row_of = np.concatenate([np.arange(c) for c in counts]) if counts else np.zeros(0)
-        self.num_batches = len(self.lang_of) // (self.m * self.dp)
+        self.layout = layout
+        self.languages = list(dataset.languages)
+        counts = [dataset.rows_per_language[lang] for lang in self.languages]
+        self.first_index = np.cumsum(counts) - counts  # manifest-order index of row 0
+        self.rows = [rng_for(seed, 3, li).permutation(n)[:min(per_language, n)]
+                     for li, n in enumerate(counts)]
 
-    def indices(self, j: int) -> np.ndarray:
-        start = (j * self.dp + self.r) * self.m
-        return np.arange(start, start + self.m)
+    def num_batches(self, lang: int) -> int:
+        """Micro-batches of this rank for language `lang`: whole global batches."""
+        g = self.layout.global_batch_size
+        return -(-len(self.rows[lang]) // g) * self.layout.gas
 
-    def __call__(self, j: int) -> dict[str, np.ndarray]:
-        idx = self.indices(j)
-        ids = self.dataset.get(self.lang_of[idx], self.row_of[idx])
-        return mask_batch(ids, idx, self.masking, self.word_starts)
+    def positions(self, lang: int, j: int) -> np.ndarray:
+        step, micro = divmod(j, self.layout.gas)
+        return rank_sample_indices(step, micro, self.layout)
 
-    def ready(self, j: int) -> None:
-        """Return once the shards micro-batch j reads have passed their sha256 checks."""
-        if self.dataset.verifying:
-            idx = self.indices(j)
-            self.dataset.wait_verified(self.lang_of[idx], self.row_of[idx])
+    def __call__(self, lang: int, j: int) -> dict[str, np.ndarray]:
+        pos = self.positions(lang, j)
+        rows = self.rows[lang]
+        real = pos < len(rows)
+        row = rows[np.where(real, pos, 0)]  # padding repeats a real row, with weights 0
+        batch = mask_batch(self.dataset.get(np.full(len(row), lang), row),
+                           self.first_index[lang] + row, self.masking, self.word_starts)
+        batch["masked_weights"][~real] = 0.0
+        return batch
+
+    def ready(self, lang: int) -> None:
+        """Return once the shards of language `lang`'s set have passed their sha256 checks."""
+        if self.dataset.verifying and len(self.rows[lang]):
+            self.dataset.wait_verified(np.full(len(self.rows[lang]), lang), self.rows[lang])
+
+    def batches(self, lang: int, return_tensors: str = "pt") -> list[dict]:
+        """This rank's micro-batches of language `lang`, built in this process."""
+        self.ready(lang)
+        out = [self(lang, j) for j in range(self.num_batches(lang))]
+        return [_to_torch(b) for b in out] if return_tensors == "pt" else out
 
 
 _MAKE = None
@@ -166,48 +196,96 @@ def _to_torch(batch: dict[str, np.ndarray]) -> dict:
     return {k: torch.from_numpy(v) for k, v in batch.items()}
 
 
-def _setup(data: DataConfig, split: str, tokenizer_sha256: str | None, seed: int):
+def _setup(data: DataConfig, split: str, tokenizer_sha256: str | None, seed: int,
+           max_mask_prob: float, mask_prob: float | None = None):
+    """The dataset, its masking (at `mask_prob`, default data.mask_prob) and word starts. P is
+    data.max_predictions, or derived from the largest rate the run uses (`max_mask_prob`):
+    training and validation batches have the same width."""
     ds = ShardDataset(data.path, split, tokenizer_sha256=tokenizer_sha256,
                       seq_length=data.seq_length, verify_in_background=True)
     masking = MaskingConfig(
-        vocab_size=ds.vocab_size, seed=seed, mask_prob=data.mask_prob,
+        vocab_size=ds.vocab_size, seed=seed,
+        mask_prob=data.mask_prob if mask_prob is None else mask_prob,
         whole_word_mask=data.whole_word_mask,
         max_predictions=(data.max_predictions
-                         or default_max_predictions(ds.seq_length, data.mask_prob)),
+                         or default_max_predictions(ds.seq_length, max_mask_prob)),
         special_ids=ds.special_ids)
     return ds, masking, ds.word_starts() if data.whole_word_mask else None
+
+
+def _steps(data: DataConfig, steps: int | None) -> int:
+    """The run's length in steps: needed (train.steps) when the data has schedules."""
+    if steps is None:
+        if data.phase_starts or data.language_start:
+            raise ValueError("data has schedules (data.phase_starts, data.language_start): "
+                             "pass steps=train.steps")
+        return 1
+    return steps
+
+
+def max_mask_prob(data: DataConfig, steps: int, eval_mask_prob: float) -> float:
+    """The largest mask rate of the run, training schedule and validation: sets P."""
+    return max(Schedule(data, steps).max_mask_prob, eval_mask_prob)
+
+
+def build_sampler(data: DataConfig, ds: ShardDataset, schedule: Schedule, global_batch_size: int,
+                  seed: int) -> ScheduledSampler:
+    """The training sample stream of `schedule`; unknown languages in data.language_start
+    are refused here too (the trainer checks them at start-up)."""
+    unknown = sorted(set(data.language_start) - set(ds.languages))
+    if unknown:
+        raise DataError(f"data.language_start names {unknown}, which {data.path} does not have "
+                        f"(its languages: {', '.join(ds.languages)})")
+    segments = [(step * global_batch_size, alpha, active)
+                for step, alpha, active in schedule.segments(ds.languages)]
+    return ScheduledSampler([ds.rows_per_language[x] for x in ds.languages],
+                            [ds.tokens_per_language[x] for x in ds.languages], segments, seed)
 
 
 def build_pretraining_loader(
     data: DataConfig, layout: Layout, *, seed: int, tokenizer_sha256: str | None = None,
     consumed_samples: int = 0, num_workers: int | None = None, prefetch: int = 4,
     return_tensors: str = "pt", num_micro_batches: int | None = None,
+    steps: int | None = None, eval_mask_prob: float = 0.0,
 ) -> Iterator[dict]:
     """Endless micro-batches of this data-parallel rank (`layout.dp_rank`), in order, starting
     at `consumed_samples` (a multiple of the global batch). One optimizer step consumes
     `layout.gas` of them.
 
     Special ids and the vocabulary size come from the dataset's manifest (the trainer checks
-    them against the model before, in `training.loop.check_inputs`). P =
-    `data.max_predictions`, 0 for `default_max_predictions(seq_length, mask_prob)`.
-    `num_workers` defaults to `data.num_workers`; `num_micro_batches` (default: endless)
-    stops the stream."""
-    ds, masking, ws = _setup(data, "train", tokenizer_sha256, seed)
-    sampler = MultilingualSampler([ds.rows_per_language[x] for x in ds.languages],
-                                  [ds.tokens_per_language[x] for x in ds.languages], data.alpha,
-                                  seed)
-    make = TrainBatches(ds, sampler, masking, ws, layout, consumed_samples)
+    them against the model before, in `training.loop.check_inputs`). The schedules of `data`
+    run over `steps` optimizer steps (train.steps; irrelevant without schedules). P =
+    `data.max_predictions`, 0 for `default_max_predictions(seq_length, r)` with r the largest
+    of the schedule's rates and `eval_mask_prob`. `num_workers` defaults to
+    `data.num_workers`; `num_micro_batches` (default: endless) stops the stream."""
+    schedule = Schedule(data, _steps(data, steps))
+    ds, masking, ws = _setup(data, "train", tokenizer_sha256, seed,
+                             max(schedule.max_mask_prob, eval_mask_prob))
+    sampler = build_sampler(data, ds, schedule, layout.global_batch_size, seed)
+    make = TrainBatches(ds, sampler, masking, ws, layout, consumed_samples, schedule)
     workers = data.num_workers if num_workers is None else num_workers
     return iterate_batches(make, 0, num_micro_batches, workers, prefetch, return_tensors)
 
 
+def build_validation_set(
+    data: DataConfig, layout: Layout, *, seed: int, tokenizer_sha256: str | None = None,
+    per_language: int = 256, mask_prob: float = 0.15, steps: int | None = None,
+) -> ValidBatches:
+    """The fixed, stratified validation set (`ValidBatches`): up to `per_language` sequences
+    of every language, masked at `mask_prob` whatever the training schedule says; batches as
+    wide (P) as training's (`steps`: train.steps, for the schedule's largest rate)."""
+    ds, masking, ws = _setup(data, "valid", tokenizer_sha256, seed,
+                             max_mask_prob(data, _steps(data, steps), mask_prob), mask_prob)
+    return ValidBatches(ds, masking, ws, layout, per_language, seed)
+
+
 def build_validation_loader(
     data: DataConfig, layout: Layout, *, seed: int, tokenizer_sha256: str | None = None,
-    max_batches: int | None = None, num_workers: int = 0, return_tensors: str = "pt",
+    per_language: int = 256, mask_prob: float = 0.15, return_tensors: str = "pt",
 ) -> Iterator[dict]:
-    """One pass over the validation split (same masks every time for a given seed): the same
-    number of micro-batches on every rank, at most `max_batches`."""
-    ds, masking, ws = _setup(data, "valid", tokenizer_sha256, seed)
-    make = ValidBatches(ds, masking, ws, layout)
-    n = make.num_batches if max_batches is None else min(max_batches, make.num_batches)
-    return iterate_batches(make, 0, n, num_workers, 2, return_tensors)
+    """One pass over the validation set of `build_validation_set`, language after language
+    (same sequences and masks every time for a given seed), as this rank's micro-batches."""
+    valid = build_validation_set(data, layout, seed=seed, tokenizer_sha256=tokenizer_sha256,
+                                 per_language=per_language, mask_prob=mask_prob)
+    for lang in range(len(valid.languages)):
+        yield from valid.batches(lang, return_tensors)

@@ -1,7 +1,9 @@
 """BERT-style MLM masking as a pure function of (seed, global sample index).
 
 For sample i the generator is rng(seed, 2, i) (see `sampler.rng_for`), so a sample gets the
-same mask whatever the parallel layout, worker count or resume point.
+same mask whatever the parallel layout, worker count or resume point. Under a mask-rate schedule
+(`data/schedule.py`) each row also gets the rate of the step its sample belongs to
+(`mask_probs`), itself a function of the sample index.
 
 Per sequence: candidates are all tokens except [PAD], [CLS], [SEP] and [MASK];
 k = min(P, max(1, round(mask_prob * n_candidates))) of them are chosen (whole words when
@@ -136,12 +138,14 @@ def _candidates(ids: np.ndarray, cfg: MaskingConfig) -> np.ndarray:
 
 def _mask_row(ids: np.ndarray, cand: np.ndarray, index: int, cfg: MaskingConfig,
               word_starts: np.ndarray | None, first_regular: int,
-              word_ids: np.ndarray | None = None):
+              word_ids: np.ndarray | None = None, mask_prob: float | None = None):
     """The random part of masking one row: (chosen positions, their new ids), or None when
-    the row has no candidate. `ids` int64 [S], `cand` its candidate mask."""
+    the row has no candidate. `ids` int64 [S], `cand` its candidate mask; `mask_prob`
+    replaces cfg.mask_prob (a scheduled rate)."""
     rng = rng_for(cfg.seed, MASK_STREAM, int(index))
     n = int(cand.sum())
-    k = 0 if n == 0 else min(cfg.max_predictions, max(1, int(n * cfg.mask_prob + 0.5)))
+    rate = cfg.mask_prob if mask_prob is None else mask_prob
+    k = 0 if n == 0 else min(cfg.max_predictions, max(1, int(n * rate + 0.5)))
     if k == 0:
         return None
     chosen = _choose(ids, cand, k, rng, cfg, word_starts, word_ids)
@@ -174,8 +178,10 @@ def mask_sequence(ids: np.ndarray, index: int, cfg: MaskingConfig,
 
 
 def mask_batch(ids: np.ndarray, indices: np.ndarray, cfg: MaskingConfig,
-               word_starts: np.ndarray | None = None) -> dict[str, np.ndarray]:
-    """ids [B, S] + global sample indices [B] -> the batch dict:
+               word_starts: np.ndarray | None = None,
+               mask_probs: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """ids [B, S] + global sample indices [B] (+ each row's mask rate [B], default
+    cfg.mask_prob) -> the batch dict:
     input_ids [B,S] int64, attention_mask [B,S] int64 (1 real, 0 pad), token_type_ids [B,S]
     int64 (zeros), masked_positions [B,P] int64, masked_labels [B,P] int64,
     masked_weights [B,P] float32.
@@ -194,9 +200,10 @@ def mask_batch(ids: np.ndarray, indices: np.ndarray, cfg: MaskingConfig,
     wids = (_batch_word_ids(ids64, cand, word_starts, cfg.max_word_pieces)
             if cfg.whole_word_mask else None)
     rows, cols, news = [], [], []
+    rates = [None] * B if mask_probs is None else np.asarray(mask_probs, np.float64).tolist()
     for r, index in enumerate(np.asarray(indices).tolist()):
         picked = _mask_row(ids64[r], cand[r], index, cfg, word_starts, first_regular,
-                           None if wids is None else wids[r])
+                           None if wids is None else wids[r], rates[r])
         if picked is None:
             continue
         chosen, new = picked

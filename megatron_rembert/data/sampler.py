@@ -16,6 +16,13 @@ resume at `consumed_samples` continues exactly. It is built from blocks of B sam
   n_rows_l, with cycle-walking (Black & Rogaway 2002), so it costs O(1) per sample and no
   memory, however many rows a language has.
 rng(*words) = np.random.Generator(np.random.Philox(np.random.SeedSequence([*words]))).
+
+Under a schedule (`data/schedule.py`) the stream is cut into segments of constant language
+weights (at phase starts and language entry points, at sample index first_step x G for a
+global batch of G). Segment j (j > 0) is a stream of its own as above with its weights and
+block order rng(seed, 0, b, j), and picks continue each language's count k where the earlier
+segments left it, so epochs still visit every row once across segment boundaries. A run without
+a schedule is one segment: the stream above, unchanged.
 """
 
 from __future__ import annotations
@@ -63,12 +70,18 @@ class MultilingualSampler:
     """Maps global sample indices to (language index, row index); see the module docstring."""
 
     def __init__(self, rows_per_language: list[int], tokens_per_language: list[int],
-                 alpha: float = 0.5, seed: int = 0, block_size: int | None = None):
+                 alpha: float = 0.5, seed: int = 0, block_size: int | None = None,
+                 active: list[bool] | None = None, segment: int = 0):
         self.rows = np.asarray(rows_per_language, dtype=np.int64)
         self.probs = language_weights(tokens_per_language, alpha)
         self.probs[self.rows == 0] = 0.0
+        if active is not None:  # languages not yet entered (schedule) get weight 0
+            self.probs[~np.asarray(active, dtype=bool)] = 0.0
+        if not self.probs.sum() > 0:
+            raise DataError("no language to sample from: every language with training rows "
+                            "enters later (data.language_start)")
         self.probs /= self.probs.sum()
-        self.seed = int(seed)
+        self.seed, self.segment = int(seed), int(segment)
         min_p = self.probs[self.probs > 0].min()
         # B * p_l >= 1 for every sampled language keeps per-block quotas non-negative.
         need = max(4096, math.ceil(2.0 / min_p))
@@ -97,7 +110,8 @@ class MultilingualSampler:
         start = self.counts_before(b)
         quota = self.counts_before(b + 1) - start  # [L], sums to B
         assert (quota >= 0).all(), "block quotas must be non-negative"
-        langs = rng_for(self.seed, 0, b).permutation(np.repeat(np.arange(len(quota)), quota))
+        words = (self.seed, 0, b) if self.segment == 0 else (self.seed, 0, b, self.segment)
+        langs = rng_for(*words).permutation(np.repeat(np.arange(len(quota)), quota))
         order = np.argsort(langs, kind="stable")
         rank = np.empty(self.block_size, dtype=np.int64)
         rank[order] = np.arange(self.block_size) - np.repeat(np.cumsum(quota) - quota, quota)
@@ -110,8 +124,19 @@ class MultilingualSampler:
         keys = rng_for(self.seed, 1, lang, epoch).integers(0, 2**63, size=4, dtype=np.uint64)
         return self._key_cache.put(key, keys)
 
+    def counts_upto(self, n: int) -> np.ndarray:
+        """[L] int64: samples of each language among indices [0, n)."""
+        b, r = divmod(n, self.block_size)
+        return self.counts_before(b) + np.bincount(self._block(b)[0][:r],
+                                                   minlength=len(self.rows))
+
     def __call__(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """indices [N] int64 -> (language index [N], row within language [N])."""
+        lang, pick = self.languages_and_picks(indices)
+        return lang, self.rows_of(lang, pick)
+
+    def languages_and_picks(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """indices [N] -> (language [N], k [N]: the sample is the k-th of its language)."""
         indices = np.asarray(indices, dtype=np.int64)
         if (indices < 0).any():
             raise ValueError("sample indices must be non-negative")
@@ -123,15 +148,55 @@ class MultilingualSampler:
             langs, picks = self._block(b)
             lang[sel] = langs[indices[sel] % self.block_size]
             pick[sel] = picks[indices[sel] % self.block_size]
+        return lang, pick
+
+    def rows_of(self, lang: np.ndarray, pick: np.ndarray) -> np.ndarray:
+        """The row of the pick-th sample of each language: perm_e(pick mod n_rows)."""
         n_rows = self.rows[lang]
         epoch, pos = pick // n_rows, pick % n_rows
         # One vectorised Feistel pass over all samples, each with its own (lang, epoch) keys
         # and width, rather than one pass per (lang, epoch) group: a micro-batch touches most
         # languages, and each pass is a dozen numpy calls on a handful of elements.
-        keys = np.empty((len(indices), 4), dtype=np.uint64)
+        keys = np.empty((len(lang), 4), dtype=np.uint64)
         for l, e in set(zip(lang.tolist(), epoch.tolist(), strict=True)):
             keys[(lang == l) & (epoch == e)] = self._keys(l, e)
-        return lang, _feistel(pos, n_rows, keys)
+        return _feistel(pos, n_rows, keys)
+
+
+class ScheduledSampler:
+    """The sample stream under a schedule: one `MultilingualSampler` per segment of constant
+    language weights (see the module docstring). `segments`: (first sample index, alpha,
+    active languages), the first at index 0."""
+
+    def __init__(self, rows_per_language: list[int], tokens_per_language: list[int],
+                 segments: list[tuple[int, float, list[bool] | None]], seed: int = 0):
+        if not segments or segments[0][0] != 0:
+            raise ValueError("the first segment must start at sample 0")
+        self.starts = np.array([s[0] for s in segments], dtype=np.int64)
+        self.parts = [MultilingualSampler(rows_per_language, tokens_per_language, alpha, seed,
+                                          active=active, segment=j)
+                      for j, (_, alpha, active) in enumerate(segments)]
+        # picks of each language before each segment: the counts of all earlier segments
+        self.offsets = [np.zeros(len(rows_per_language), dtype=np.int64)]
+        for j in range(1, len(self.parts)):
+            length = int(self.starts[j] - self.starts[j - 1])
+            self.offsets.append(self.offsets[-1] + self.parts[j - 1].counts_upto(length))
+
+    @property
+    def probs(self) -> np.ndarray:
+        return self.parts[0].probs
+
+    def __call__(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """indices [N] int64 -> (language index [N], row within language [N])."""
+        indices = np.asarray(indices, dtype=np.int64)
+        seg = np.searchsorted(self.starts, indices, side="right") - 1
+        lang = np.empty(len(indices), dtype=np.int64)
+        pick = np.empty(len(indices), dtype=np.int64)
+        for j in np.unique(seg).tolist():
+            sel = seg == j
+            lang[sel], pick[sel] = self.parts[j].languages_and_picks(indices[sel] - self.starts[j])
+            pick[sel] += self.offsets[j][lang[sel]]
+        return lang, self.parts[0].rows_of(lang, pick)
 
 
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)

@@ -2,9 +2,10 @@
 
     model:    a preset name plus any ModelConfig field (`model.preset: rembert`)
     parallel: tp, pp, zero_stage, ds_config (extra DeepSpeed knobs), activation checkpointing
-    data:     dataset folder, tokenizer, sequence length, sampling and masking
+    data:     dataset folder, tokenizer, sequence length, sampling and masking, their schedules
     optim:    optimizer and learning-rate schedule
     train:    batch sizes, precision, steps, logging, checkpoints
+    eval:     the per-language validation set
 
 Every number lives here once; `training.optim.deepspeed_config` writes batch sizes, precision,
 ZeRO stage, optimizer and clipping into the DeepSpeed config dict. The parallel layout (dp and
@@ -61,7 +62,10 @@ class OptimConfig:
     eps: float = 1e-6
     weight_decay: float = 0.01
     warmup_steps: int = 15_000
-    decay: str = "linear"  # linear | cosine | constant, after warm-up, to min_lr at train.steps
+    # linear | cosine | 1-sqrt | constant: from decay_start_step to min_lr at train.steps
+    decay: str = "linear"
+    # 0 = right after warm-up; later: warmup-stable-decay, lr held until this step
+    decay_start_step: int = 0
     min_lr: float = 0.0  # at most lr
     clip_grad: float = 1.0  # global gradient-norm limit; 0 = no clipping
 
@@ -75,6 +79,7 @@ class TrainConfig:
     seed: int = 1234
     log_interval: int = 10
     eval_interval: int = 1000  # 0 = never
+    # at most this many global batches of validation per language (see eval.*)
     eval_batches: int = 10
     save_interval: int = 1000  # 0 = only at the end and on a signal
     keep_last: int = 3
@@ -89,12 +94,20 @@ class TrainConfig:
 
 
 @dataclass
+class EvalConfig:
+    # validation sequences per language (fewer where a language has fewer), a fixed set
+    sequences_per_language: int = 256
+    mask_prob: float = 0.15  # validation mask rate, whatever the training schedule says
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     model_preset: str = "rembert"
 
     def to_dict(self) -> dict:
@@ -126,6 +139,7 @@ RANGES: dict[str, Range] = {
     "optim.eps": POSITIVE,
     "optim.weight_decay": AT_LEAST_0,
     "optim.warmup_steps": AT_LEAST_0,
+    "optim.decay_start_step": AT_LEAST_0,  # and < train.steps
     "optim.min_lr": AT_LEAST_0,  # and <= optim.lr
     "optim.clip_grad": AT_LEAST_0,
     "train.steps": AT_LEAST_1,
@@ -138,6 +152,8 @@ RANGES: dict[str, Range] = {
     "train.save_interval": AT_LEAST_0,
     "train.keep_last": AT_LEAST_1,
     "train.max_nonfinite_steps": AT_LEAST_1,
+    "eval.sequences_per_language": AT_LEAST_1,
+    "eval.mask_prob": Range(0.0, 1.0, low_open=True, high_open=True),
 }
 
 
@@ -152,6 +168,51 @@ def check_ranges(config: Config) -> None:
     if config.optim.min_lr > config.optim.lr:
         raise ConfigError(f"optim.min_lr={config.optim.min_lr} exceeds "
                           f"optim.lr={config.optim.lr}")
+    check_schedule(config)
+
+
+def check_schedule(config: Config) -> None:
+    """The data schedules and the LR's decay start, each problem one line naming the key.
+    Language names are checked against the dataset at start-up (training.loop.check_inputs)."""
+    data, steps = config.data, config.train.steps
+    starts = data.phase_starts
+    if starts and starts[0] != 0.0:
+        raise ConfigError(f"data.phase_starts={starts}: the first phase must start at 0.0")
+    for a, b in zip(starts, starts[1:], strict=False):
+        if not a < b:
+            raise ConfigError(f"data.phase_starts={starts}: phases out of order ({a} then {b}); "
+                              "give increasing fractions of train.steps")
+    if starts and not starts[-1] <= 1.0:
+        raise ConfigError(f"data.phase_starts={starts}: fractions of train.steps, at most 1.0")
+    for key, allowed in (("phase_alpha", RANGES["data.alpha"]),
+                         ("phase_mask_prob", RANGES["data.mask_prob"])):
+        values = getattr(data, key)
+        if values and len(values) != len(starts):
+            raise ConfigError(f"data.{key} has {len(values)} values, data.phase_starts "
+                              f"{len(starts)}: give one per phase")
+        for v in values:
+            if v not in allowed:
+                raise ConfigError(f"data.{key}={values}: {v} is not in {allowed}")
+    if data.mask_schedule not in ("step", "linear"):
+        raise ConfigError(f"data.mask_schedule={data.mask_schedule!r}: expected step or linear")
+    for lang, f in data.language_start.items():
+        if not 0.0 <= f < 1.0:
+            raise ConfigError(f"data.language_start.{lang}={f}: a fraction of train.steps in "
+                              "[0, 1)")
+    from megatron_rembert.data.schedule import Schedule
+
+    rate = max(Schedule(data, steps).max_mask_prob, config.eval.mask_prob)
+    # A full row has seq_length - 2 candidates ([CLS] and [SEP] are never masked).
+    need = int((data.seq_length - 2) * rate + 0.5)
+    if 0 < data.max_predictions < need:
+        raise ConfigError(f"data.max_predictions={data.max_predictions} is too small for the "
+                          f"largest mask rate {rate:g}: a full row masks {need} tokens; set at "
+                          f"least {need}, or 0 to derive it")
+    if config.optim.decay_start_step and not (
+            config.optim.warmup_steps <= config.optim.decay_start_step < steps):
+        raise ConfigError(f"optim.decay_start_step={config.optim.decay_start_step}: must be in "
+                          f"[optim.warmup_steps={config.optim.warmup_steps}, train.steps={steps})"
+                          " (0: decay right after warm-up)")
 
 
 def check_paths(config: Config) -> None:
@@ -172,7 +233,16 @@ def check_settings(config: Config) -> None:
 
 
 def _coerce(value, annotation, key: str):
-    """Check a YAML value against a field's type; ints are accepted for floats."""
+    """Check a YAML value against a field's type; ints are accepted for floats. Lists
+    (`list[float]`) and mappings (`dict[str, float]`) are checked element by element."""
+    if annotation.startswith("list["):
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, e.g. [0.0, 0.5], got {value!r}")
+        return [_coerce(v, annotation[5:-1], key) for v in value]
+    if annotation.startswith("dict[str, "):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, e.g. {{sw: 0.5}}, got {value!r}")
+        return {str(k): _coerce(v, annotation[10:-1], f"{key}.{k}") for k, v in value.items()}
     kind = {"int": int, "float": float, "str": str, "bool": bool}[annotation]
     if kind is float and isinstance(value, (int, str)) and not isinstance(value, bool):
         try:  # YAML reads "1e-3" (no dot) as a string
@@ -357,8 +427,9 @@ def validate_config(config: Config, world_size: int, rank: int = 0) -> Layout:
                           "scale only in its ZeRO optimizers); zero_stage=0 is for fp32")
     if optim.name not in ("adamw", "lamb"):
         raise ConfigError(f"optim.name={optim.name!r}: expected adamw or lamb")
-    if optim.decay not in ("linear", "cosine", "constant"):
-        raise ConfigError(f"optim.decay={optim.decay!r}: expected linear, cosine or constant")
+    if optim.decay not in ("linear", "cosine", "1-sqrt", "constant"):
+        raise ConfigError(f"optim.decay={optim.decay!r}: expected linear, cosine, 1-sqrt or "
+                          "constant")
     if train.steps < 1:
         raise ConfigError(f"train.steps={train.steps}: must be >= 1")
     if config.data.seq_length > config.model.max_position_embeddings:

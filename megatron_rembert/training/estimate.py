@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from megatron_rembert.data.common import format_table
+from megatron_rembert.data.masking import default_max_predictions
+from megatron_rembert.data.schedule import Schedule
 from megatron_rembert.model.pipeline import pipeline_layer_costs
 from megatron_rembert.model.sizes import flops_per_token, parameter_counts
 from megatron_rembert.parallel.layout import Layout
@@ -89,4 +92,31 @@ def dry_run_report(config: Config, world_size: int | None = None) -> str:
         lines.append(f"  {key:<17} {mem[key] / gib:8.2f} GiB")
     total = sum(mem[k] for k in ("parameters", "gradients", "optimizer_states", "activations"))
     lines.append(f"  {'total':<17} {total / gib:8.2f} GiB")
+    lines.append(phase_table(config))
     return "\n".join(lines)
+
+
+def phase_table(config: Config) -> str:
+    """The schedules by phase: steps, mask rate, sampling alpha, languages entering, and the
+    learning rate's warm-up, stable and decay stretches."""
+    schedule, optim = Schedule(config.data, config.train.steps), config.optim
+    rows = []
+    for i, p in enumerate(schedule.phases):
+        rate = (f"{p.mask_prob:g}" if p.mask_prob_end == p.mask_prob
+                else f"{p.mask_prob:g} -> {p.mask_prob_end:g}")
+        entering = sorted(lang for lang, s in schedule.language_start.items()
+                          if p.first_step <= s < p.end_step and s > 0)
+        rows.append([i, f"{p.first_step}-{p.end_step}", rate, f"{p.alpha:g}",
+                     ", ".join(f"{lang}@{schedule.language_start[lang]}" for lang in entering)
+                     or "-"])
+    decay_start = max(optim.warmup_steps, optim.decay_start_step)
+    lr = (f"learning rate: warm-up 0-{optim.warmup_steps}, peak {optim.lr:g} until step "
+          f"{decay_start}, {optim.decay} decay to {optim.min_lr:g} at {config.train.steps}"
+          if optim.decay != "constant" else
+          f"learning rate: warm-up 0-{optim.warmup_steps}, then {optim.lr:g} constant")
+    rate = max(schedule.max_mask_prob, config.eval.mask_prob)
+    width = config.data.max_predictions or default_max_predictions(config.data.seq_length, rate)
+    return "\n".join([f"schedule by phase (steps; P = {width} masked slots for the largest "
+                      f"mask rate, {rate:g}; validation at {config.eval.mask_prob:g}):",
+                      format_table(["phase", "steps", "mask rate", "alpha",
+                                    "languages entering"], rows), lr])

@@ -16,7 +16,7 @@ from megatron_rembert.checkpoint import folder as protocol
 from megatron_rembert.checkpoint.lock import SaveDirLock
 from megatron_rembert.config import ConfigError
 from megatron_rembert.data.common import sha256_file
-from megatron_rembert.data.loader import build_pretraining_loader, build_validation_loader
+from megatron_rembert.data.loader import build_pretraining_loader, build_validation_set
 from megatron_rembert.data.shards import ShardDataset
 from megatron_rembert.model.sizes import flops_per_token
 from megatron_rembert.parallel import comm, state
@@ -99,6 +99,15 @@ def check_inputs(config: Config, world_size: int, device: torch.device, rank: in
                            verify_in_background=True)
     if data.whole_word_mask:
         dataset.word_starts()  # read (and checked) now, not after the model is built
+    unknown = sorted(set(data.language_start) - set(dataset.languages))
+    if unknown:
+        raise ConfigError(f"data.language_start names {unknown}, which data.path={data.path} "
+                          f"does not have (its languages: {', '.join(dataset.languages)})")
+    if data.language_start and all(data.language_start.get(lang, 0.0) > 0
+                                   for lang in dataset.languages
+                                   if dataset.rows_per_language[lang]):
+        raise ConfigError("data.language_start: every language enters late; at least one "
+                          "must be sampled from the start (leave it out, or give 0.0)")
     if dataset.vocab_size != config.model.vocab_size:
         raise ConfigError(
             f"data.path={data.path} was made with a tokenizer of {dataset.vocab_size} pieces, "
@@ -229,7 +238,8 @@ def _train(config: Config, rank: int, world: int, device: torch.device, stop: St
         log.console(f"resumed from {resume_folder} (step {step}, {consumed} samples consumed)")
     train_cfg, data = config.train, config.data
     loader = build_pretraining_loader(data, layout, seed=train_cfg.seed, tokenizer_sha256=sha,
-                                      consumed_samples=consumed)
+                                      consumed_samples=consumed, steps=train_cfg.steps,
+                                      eval_mask_prob=config.eval.mask_prob)
     POSITION.set(phase="signal agreement")
     if stop.agreed():  # a stop request during start-up: nothing new to save
         log.console(f"{stop.name or 'a signal'} during start-up: nothing new to save; exiting")
@@ -290,16 +300,42 @@ def _train(config: Config, rank: int, world: int, device: torch.device, stop: St
 
 
 def evaluate(trainer, config: Config, sha: str | None, step: int, log: MetricsLogger) -> None:
-    gas = trainer.layout.gas
-    loader = build_validation_loader(config.data, trainer.layout, seed=config.train.seed,
-                                     tokenizer_sha256=sha,
-                                     max_batches=config.train.eval_batches * gas)
-    batches = list(loader)
-    # The pipeline engine evaluates in groups of gradient-accumulation size.
-    usable = len(batches) - len(batches) % gas
-    if usable == 0:
-        log.console(f"validation split too small for one batch of {gas} micro-batches")
+    """Loss and accuracy on the fixed validation set, per language and overall: token-weighted
+    (all masked tokens together) and language-averaged (the mean of the languages' numbers).
+    Each language is evaluated in whole global batches (padding rows carry no weight)."""
+    layout, ev = trainer.layout, config.eval
+    per_language = min(ev.sequences_per_language,
+                       config.train.eval_batches * layout.global_batch_size)
+    valid = build_validation_set(config.data, layout, seed=config.train.seed,
+                                 tokenizer_sha256=sha, per_language=per_language,
+                                 mask_prob=ev.mask_prob, steps=config.train.steps)
+    languages = {}
+    for index, lang in enumerate(valid.languages):
+        batches = valid.batches(index)
+        if not batches:
+            continue
+        loss, acc, tokens = trainer.eval_step(batches)
+        languages[lang] = {"loss": loss, "mlm_acc": acc, "masked_tokens": tokens}
+    if not languages:
+        log.console("validation split is empty: nothing to evaluate")
         return
-    loss, acc, tokens = trainer.eval_step(batches[:usable])
-    log.log(step, {"loss": loss, "mlm_acc": acc, "masked_tokens": tokens}, prefix="valid")
-    log.console(f"step {step:>7} | validation loss {loss:.4f} | acc {acc:.3f}")
+    overall = combine_languages(languages)
+    log.log(step, overall, prefix="valid")
+    log.console(f"step {step:>7} | validation loss {overall['loss']:.4f} | acc "
+                f"{overall['mlm_acc']:.3f} | language average loss {overall['loss_lang_avg']:.4f}"
+                f" acc {overall['mlm_acc_lang_avg']:.3f}")
+
+
+def combine_languages(languages: dict[str, dict]) -> dict:
+    """Overall validation numbers from the per-language ones (kept under "languages")."""
+    tokens = sum(v["masked_tokens"] for v in languages.values())
+    n = len(languages)
+    return {
+        "loss": sum(v["loss"] * v["masked_tokens"] for v in languages.values()) / max(tokens, 1),
+        "mlm_acc": sum(v["mlm_acc"] * v["masked_tokens"]
+                       for v in languages.values()) / max(tokens, 1),
+        "masked_tokens": tokens,
+        "loss_lang_avg": sum(v["loss"] for v in languages.values()) / n,
+        "mlm_acc_lang_avg": sum(v["mlm_acc"] for v in languages.values()) / n,
+        "languages": languages,
+    }

@@ -60,10 +60,12 @@ class MetricsLogger:
                 self.wandb_run = _start_wandb(wandb_project, log_dir, run_config)
 
     def log(self, step: int, values: dict, prefix: str = "train") -> None:
+        """One metrics.jsonl row {"split": prefix, "step": step, **values}; each number also
+        as the scalar `prefix/key`; those of values["languages"][lang] as `prefix/lang/key`
+        (the per-language validation: `valid/<lang>/loss`)."""
         if not self.enabled:
             return
-        scalars = {f"{prefix}/{key}": value for key, value in values.items()
-                   if isinstance(value, (int, float)) and key != "step"}
+        scalars = _scalars(prefix, values)
         for tag, value in scalars.items():
             self.writer.add_scalar(tag, value, step)
         if self.wandb_run is not None:
@@ -82,6 +84,17 @@ class MetricsLogger:
             self.jsonl.close()
             if self.wandb_run is not None:
                 self.wandb_run.finish()
+
+
+def _scalars(prefix: str, values: dict) -> dict[str, float]:
+    out = {}
+    for key, value in values.items():
+        if key == "languages" and isinstance(value, dict):
+            for lang, numbers in value.items():
+                out.update(_scalars(f"{prefix}/{lang}", numbers))
+        elif isinstance(value, (int, float)) and key != "step":
+            out[f"{prefix}/{key}"] = value
+    return out
 
 
 def _start_wandb(project: str, log_dir: Path, run_config: dict | None):

@@ -23,7 +23,7 @@ OWNED_DS_KEYS = {
     "train_micro_batch_size_per_gpu": "train.micro_batch_size",
     "gradient_accumulation_steps": "train.global_batch_size and train.micro_batch_size",
     "optimizer": "optim.* (name, lr, beta1, beta2, eps, weight_decay)",
-    "scheduler": "optim.* (warmup_steps, decay, min_lr)",
+    "scheduler": "optim.* (warmup_steps, decay, decay_start_step, min_lr)",
     "gradient_clipping": "optim.clip_grad",
     "bf16.enabled": "train.precision",
     "fp16.enabled": "train.precision",
@@ -109,18 +109,25 @@ def build_optimizer(model: nn.Module, config: Config) -> torch.optim.Optimizer:
 
 
 def lr_lambda(config: Config):
-    """Multiplier of optim.lr at a step: linear warm-up, then the chosen decay to min_lr."""
+    """Multiplier of optim.lr at a step: linear warm-up, the peak rate until
+    optim.decay_start_step (0: right after warm-up; later: warmup-stable-decay, Hu et al. 2024,
+    "MiniCPM"), then the chosen decay to min_lr at train.steps. 1-sqrt: 1 - sqrt(progress), the
+    cooldown of Hägele et al. 2024 ("Scaling laws and compute-optimal training beyond fixed
+    training durations")."""
     optim, total = config.optim, config.train.steps
     floor = optim.min_lr / optim.lr if optim.lr else 0.0
+    decay_start = max(optim.warmup_steps, optim.decay_start_step)
 
     def multiplier(step: int) -> float:
         if step < optim.warmup_steps:
             return (step + 1) / optim.warmup_steps
         if optim.decay == "constant":
             return 1.0
-        progress = min(1.0, (step - optim.warmup_steps) / max(1, total - optim.warmup_steps))
+        progress = max(0.0, min(1.0, (step - decay_start) / max(1, total - decay_start)))
         if optim.decay == "linear":
             shape = 1.0 - progress
+        elif optim.decay == "1-sqrt":
+            shape = 1.0 - math.sqrt(progress)
         else:
             shape = 0.5 * (1.0 + math.cos(math.pi * progress))
         return floor + (1.0 - floor) * shape

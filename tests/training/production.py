@@ -29,6 +29,7 @@ class Run:
     grad_norms: list[float] = field(default_factory=list)
     moved: dict[str, float] = field(default_factory=dict)  # ||w_T - w_0||
     momentum: dict[str, float] = field(default_factory=dict)  # ||Adam's exp_avg||
+    valid: dict[str, dict] = field(default_factory=dict)  # the last validation, by language
 
 
 def data_overrides(data: Path, tokenizer: Path, out: Path, steps: int) -> dict:
@@ -123,13 +124,15 @@ def run_train(rank, world_size, runs: list[tuple[str, list[str], bool]]) -> list
             train_rows = [r for r in rows if r["split"] == "train"]
             run.losses = [r["loss"] for r in train_rows]
             run.grad_norms = [r["grad_norm"] for r in train_rows]
+            run.valid = [r for r in rows if r["split"] == "valid"][-1]["languages"]
         results.append(run)
     return results
 
 
 def merge_ranks(per_rank: list[Run]) -> Run:
     """Rank 0's metrics and every rank's parameters (pipeline stages own different ones)."""
-    merged = Run(losses=per_rank[0].losses, grad_norms=per_rank[0].grad_norms)
+    merged = Run(losses=per_rank[0].losses, grad_norms=per_rank[0].grad_norms,
+                 valid=per_rank[0].valid)
     for run in per_rank:
         merged.moved.update(run.moved)
         merged.momentum.update(run.momentum)
@@ -154,7 +157,8 @@ def reference_run(path: str, sets: list[str]) -> Run:
     scheduler = build_scheduler(optimizer, config)
     # The whole global batch as one micro-batch.
     layout = Layout(micro_batch_size=train.global_batch_size)
-    loader = build_pretraining_loader(data, layout, seed=train.seed, num_workers=0)
+    loader = build_pretraining_loader(data, layout, seed=train.seed, num_workers=0,
+                                      steps=train.steps)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     run = Run()
     for _ in range(train.steps):

@@ -206,3 +206,39 @@ def test_every_numeric_setting_has_a_range_checked_before_heavy_work():
                                            f"{key}=-1000000000000"])
                 with pytest.raises(ConfigError, match=f"^{key}="):
                     check_ranges(config)
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["data.phase_starts=[0.0, 0.6, 0.3]"], r"phases out of order \(0.6 then 0.3\)"),
+    (["data.phase_starts=[0.1, 0.5]"], "the first phase must start at 0.0"),
+    (["data.phase_starts=[0.0, 0.5]", "data.phase_mask_prob=[0.3, 1.2]"],
+     r"data.phase_mask_prob=\[0.3, 1.2\]: 1.2 is not in \(0, 1\)"),
+    (["data.phase_starts=[0.0, 0.5]", "data.phase_mask_prob=[0.3, 0.0]"], "0.0 is not in"),
+    (["data.phase_starts=[0.0, 0.5]", "data.phase_alpha=[0.5]"],
+     "data.phase_alpha has 1 values, data.phase_starts 2"),
+    (["data.mask_schedule=cosine"], "expected step or linear"),
+    (["data.language_start={sw: 1.0}"], r"data.language_start.sw=1.0: .* \[0, 1\)"),
+    (["data.phase_starts=[0.0, 0.5]", "data.phase_mask_prob=[0.4, 0.15]",
+      "data.max_predictions=80"], "max_predictions=80 is too small for the largest mask rate "
+                                  "0.4: a full row masks 204 tokens"),
+    (["optim.decay_start_step=5"], r"optim.decay_start_step=5: must be in \[optim.warmup_st"),
+    (["data.phase_starts=0.5"], "data.phase_starts: expected a list"),
+])
+def test_bad_schedules_are_refused(sets, message):
+    with pytest.raises(ConfigError, match=message):
+        check_ranges(load_config(ROOT / "configs/rembert.yaml", sets))
+
+
+def test_unknown_language_is_refused_at_start_up(tiny_dataset):
+    with pytest.raises(ConfigError, match=r"data.language_start names \['sw'\], which .*"
+                                          "does not have"):
+        check_inputs(_tiny(tiny_dataset, "data.language_start={sw: 0.5}"), 1,
+                     torch.device("cpu"))
+
+
+def test_lr_warmup_stable_decay():
+    sets = ["train.steps=100", "optim.warmup_steps=10", "optim.decay_start_step=60"]
+    for decay, mid in (("linear", 0.5), ("cosine", 0.5), ("1-sqrt", 1 - 0.5 ** 0.5)):
+        f = lr_lambda(load_config(ROOT / "configs/rembert.yaml", sets + [f"optim.decay={decay}"]))
+        assert f(9) == pytest.approx(1.0) and f(35) == 1.0 and f(60) == 1.0
+        assert f(80) == pytest.approx(mid) and f(100) == pytest.approx(0.0)

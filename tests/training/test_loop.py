@@ -1,4 +1,9 @@
-"""train(): resume after a signal or a kill equals an uninterrupted run; failures are clean."""
+"""train(): resume after a signal or a kill equals an uninterrupted run; failures are clean.
+
+The runs here train under every schedule at once (SCHEDULES): the mask rate falls linearly
+through phase 0 and the language mix changes at step 3, where one language enters too; the
+learning rate decays (1-sqrt) from step 4. The signal stops a run at step 2, so resuming crosses
+every boundary; the one-process run after a kill reproduces the two-process run."""
 
 import json
 import math
@@ -14,10 +19,14 @@ from tests.distributed import run_distributed
 from tests.training.conftest import SEQ
 
 STEPS = 6
+SCHEDULES = {"data.phase_starts": [0.0, 0.5], "data.phase_alpha": [1.0, 0.3],
+             "data.phase_mask_prob": [0.3, 0.1], "data.mask_schedule": "linear",
+             "data.language_start": {"hang": 0.5}, "optim.decay": "1-sqrt",
+             "optim.decay_start_step": 4}
 
 
 def overrides(tmp: Path, data, tokenizer, **extra) -> list[str]:
-    values = {
+    values = {**SCHEDULES,
         "data.path": data, "data.tokenizer": tokenizer, "data.seq_length": SEQ,
         "data.num_workers": 0, "train.steps": STEPS, "train.global_batch_size": 8,
         "train.micro_batch_size": 2, "train.log_interval": 1, "train.eval_interval": 3,
@@ -28,9 +37,13 @@ def overrides(tmp: Path, data, tokenizer, **extra) -> list[str]:
     return [f"{k}={v}" for k, v in values.items()]
 
 
+def rows(log_dir: Path, split: str = "train") -> dict[int, dict]:
+    lines = (log_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r for r in map(json.loads, lines) if r["split"] == split}
+
+
 def losses(log_dir: Path, split: str = "train") -> dict[int, float]:
-    rows = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if r["split"] == split}
+    return {step: r["loss"] for step, r in rows(log_dir, split).items()}
 
 
 def _train(rank, world_size, sets, signal_at=None, die_saving_step=None, nan_from=None):
@@ -77,12 +90,28 @@ def uninterrupted(tmp_path_factory, tiny_dataset):
     assert "mfu" not in row  # no peak FLOP/s on CPU
     assert row["consumed_samples"] == 8 and row["lr"] > 0
     assert list((tmp / "logs").glob("events.out.tfevents.*"))  # TensorBoard
-    assert len(losses(tmp / "logs", "valid")) == 2  # validation at steps 3 and 6
-    return result, tmp / "ckpt"
+    valid = rows(tmp / "logs", "valid")
+    assert sorted(valid) == [3, 6]  # validation at steps 3 and 6
+    for row in valid.values():
+        # every language of the dataset, each on the same fixed set; the overall numbers
+        # combine the per-language ones
+        languages = row["languages"]
+        assert len(languages) == 8 and all(v["masked_tokens"] > 0 for v in languages.values())
+        tokens = sum(v["masked_tokens"] for v in languages.values())
+        assert row["masked_tokens"] == tokens
+        assert row["loss"] == pytest.approx(
+            sum(v["loss"] * v["masked_tokens"] for v in languages.values()) / tokens)
+        assert row["loss_lang_avg"] == pytest.approx(
+            sum(v["loss"] for v in languages.values()) / 8)
+        assert row["mlm_acc_lang_avg"] == pytest.approx(
+            sum(v["mlm_acc"] for v in languages.values()) / 8)
+    assert ({k: v["masked_tokens"] for k, v in valid[3]["languages"].items()}
+            == {k: v["masked_tokens"] for k, v in valid[6]["languages"].items()})
+    return result, valid, tmp / "ckpt"
 
 
 def test_signal_saves_and_resume_matches(tmp_path, tiny_dataset, uninterrupted):
-    uninterrupted, _ = uninterrupted
+    uninterrupted, _, _ = uninterrupted
     sets = overrides(tmp_path, *tiny_dataset)
     stopped = run_distributed(_train, 2, sets, 2)
     assert stopped == [2, 2]  # both ranks stopped at the step after the signal
@@ -95,7 +124,7 @@ def test_signal_saves_and_resume_matches(tmp_path, tiny_dataset, uninterrupted):
 
 
 def test_kill_during_save_keeps_previous_checkpoint(tmp_path, tiny_dataset, uninterrupted):
-    uninterrupted, _ = uninterrupted
+    uninterrupted, uninterrupted_valid, _ = uninterrupted
     sets = overrides(tmp_path, *tiny_dataset, **{"train.save_interval": 2})
     with pytest.raises(AssertionError, match="hung or died"):
         run_distributed(_train, 1, sets, None, 4, timeout=120)
@@ -105,9 +134,16 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, tiny_dataset, unin
     run_distributed(_train, 1, sets)
     resumed = losses(tmp_path / "logs")
     assert (ckpt / "latest").read_text().strip() == f"step_{STEPS:08d}"
-    # One process sees the same global batches as two: the losses of the 2-rank run.
+    # One process sees the same global batches as two: the losses of the 2-rank run, and
+    # the same validation set, language by language.
     for step in range(3, STEPS + 1):
         assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-6), f"step {step}"
+    one = rows(tmp_path / "logs", "valid")[STEPS]["languages"]
+    two = uninterrupted_valid[STEPS]["languages"]
+    assert one.keys() == two.keys()
+    for lang, numbers in two.items():
+        assert one[lang]["masked_tokens"] == numbers["masked_tokens"], lang
+        assert one[lang]["loss"] == pytest.approx(numbers["loss"], rel=1e-6), lang
 
 
 def test_non_finite_losses_stop_and_keep_last_good(tmp_path, tiny_dataset):
@@ -141,7 +177,7 @@ def test_resume_refuses_other_owner_and_data_then_continues_at_another_dp(
     from megatron_rembert.training import loop
     from megatron_rembert.training.config import load_config, validate_config
 
-    _, saved = uninterrupted
+    _, _, saved = uninterrupted
     shutil.copytree(saved, tmp_path / "ckpt")
     data, tokenizer = tiny_dataset
     sets = overrides(tmp_path, data, tokenizer, **{"train.steps": STEPS + 2})
@@ -176,7 +212,7 @@ def test_resume_from_rolls_back_without_losing_newer(tmp_path, tiny_dataset, uni
     from megatron_rembert.training import loop
     from megatron_rembert.training.config import load_config, validate_config
 
-    _, saved = uninterrupted
+    _, _, saved = uninterrupted
     save_dir = tmp_path / "ckpt"
     shutil.copytree(saved / "step_00000006", save_dir / "step_00000003")  # stands in for 3
     meta = json.loads((save_dir / "step_00000003" / "meta.json").read_text())
