@@ -17,8 +17,8 @@ import sys
 
 from megatron_rembert.config import ConfigError
 from megatron_rembert.data.common import DataError
+from megatron_rembert.run_config import check_settings, config_help, load_config
 from megatron_rembert.training.checkpoint import CheckpointError
-from megatron_rembert.training.config import check_settings, config_help, load_config
 from megatron_rembert.training.signals import StopFlag
 
 

@@ -46,8 +46,8 @@ def main() -> None:
 
     from megatron_rembert.parallel import random as tp_random
     from megatron_rembert.parallel import state
+    from megatron_rembert.run_config import build_config, validate_config
     from megatron_rembert.training import checkpoint as ckpt
-    from megatron_rembert.training.config import build_config, validate_config
     from megatron_rembert.training.engine import Trainer
 
     for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533", "RANK": "0",

@@ -83,7 +83,7 @@ def cpu_comparison(args) -> None:
     import transformers
 
     from megatron_rembert.convert.hf import hf_config_dict, to_hf_state_dict
-    from megatron_rembert.training.config import Config
+    from megatron_rembert.run_config import Config
     from megatron_rembert.training.optim import build_optimizer
 
     torch.manual_seed(0)
@@ -143,7 +143,7 @@ def deepspeed_step_time(config: ModelConfig, batches: list[dict]) -> float:
 
     from megatron_rembert.parallel import state
     from megatron_rembert.parallel.layout import Layout
-    from megatron_rembert.training.config import Config, TrainConfig
+    from megatron_rembert.run_config import Config, TrainConfig
     from megatron_rembert.training.engine import Trainer
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29591"),
@@ -192,7 +192,7 @@ def trainer_throughput(preset: str, micro: int, gas: int, seq: int, steps: int) 
     NCCL (else the CPU with gloo). tokens/s, model TFLOP/s, MFU, peak memory, and the memory
     `train.py --dry-run` estimates for this layout."""
     from megatron_rembert.parallel import state
-    from megatron_rembert.training.config import load_config, validate_config
+    from megatron_rembert.run_config import load_config, validate_config
     from megatron_rembert.training.engine import Trainer
     from megatron_rembert.training.estimate import memory_estimate
     from megatron_rembert.training.loop import setup_distributed

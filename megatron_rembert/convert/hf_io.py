@@ -26,9 +26,7 @@ from megatron_rembert.convert.hf import (
 )
 from megatron_rembert.convert.tokenizer_files import check_tokenizer, write_tokenizer
 from megatron_rembert.parallel import state
-
-# The training config schema (a leaf module: it imports nothing else of training/).
-from megatron_rembert.training.config import Config, load_config
+from megatron_rembert.run_config import Config, load_config
 
 
 def _count(specs: list[ParamSpec]) -> int:

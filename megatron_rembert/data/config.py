@@ -1,6 +1,6 @@
 """The `data:` section of the training config: which dataset, and how it is sampled and masked.
 
-It lives beside the loader that reads it (`data/loader.py`); `training/config.py` loads it from
+It lives beside the loader that reads it (`data/loader.py`); `run_config.py` loads it from
 YAML with the other sections. The schedules (`phase_*`, `mask_schedule`, `language_start`) are
 read by `data/schedule.py`; empty lists keep `alpha` and `mask_prob` for the whole run.
 """

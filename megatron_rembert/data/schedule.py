@@ -35,7 +35,7 @@ class Phase:
 
 class Schedule:
     """The schedules of a DataConfig over a run of `steps` optimizer steps (checked by
-    `training.config.check_schedule`)."""
+    `run_config.check_schedule`)."""
 
     def __init__(self, data: DataConfig, steps: int):
         self.steps = steps

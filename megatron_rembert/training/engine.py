@@ -35,7 +35,7 @@ from megatron_rembert.parallel import comm, state
 from megatron_rembert.parallel.layers import init_weights, is_tp_sharded
 from megatron_rembert.parallel.layout import Layout
 from megatron_rembert.parallel.random import checkpoint_safe
-from megatron_rembert.training.config import Config
+from megatron_rembert.run_config import Config
 from megatron_rembert.training.hang import POSITION
 from megatron_rembert.training.lamb import Lamb
 from megatron_rembert.training.optim import build_optimizer, build_scheduler, deepspeed_config

@@ -8,7 +8,7 @@ from megatron_rembert.data.schedule import Schedule
 from megatron_rembert.model.pipeline import pipeline_layer_costs
 from megatron_rembert.model.sizes import flops_per_token, parameter_counts
 from megatron_rembert.parallel.layout import Layout
-from megatron_rembert.training.config import Config, validate_config
+from megatron_rembert.run_config import Config, validate_config
 
 
 def _partition(costs: list[int], stages: int) -> list[list[int]]:

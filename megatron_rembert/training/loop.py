@@ -22,8 +22,8 @@ from megatron_rembert.model.sizes import flops_per_token
 from megatron_rembert.parallel import comm, state
 from megatron_rembert.parallel import random as tp_random
 from megatron_rembert.parallel.layout import Layout
+from megatron_rembert.run_config import Config, validate_config
 from megatron_rembert.training import checkpoint as ckpt
-from megatron_rembert.training.config import Config, validate_config
 from megatron_rembert.training.hang import POSITION, Watchdog, describe, is_collective_failure
 from megatron_rembert.training.metrics import (
     MetricsLogger,

@@ -6,8 +6,8 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "megatron_rembert"
-# convert/ reads training YAML through the config schema, a leaf module (checked below).
-CONFIG_SCHEMA = "megatron_rembert.training.config"
+# training/ and convert/ read the run's YAML through run_config, which imports neither.
+CONFIG_SCHEMA = "megatron_rembert.run_config"
 
 
 def _module_name(path: Path) -> str:
@@ -52,7 +52,7 @@ def test_layering_between_checkpoint_training_and_convert():
                 bad.append(f"{module} -> {target}")
             if _in(module, "training") and _in(target, "convert"):
                 bad.append(f"{module} -> {target}")
-            if _in(module, "convert") and _in(target, "training") and target != CONFIG_SCHEMA:
+            if _in(module, "convert") and _in(target, "training"):
                 bad.append(f"{module} -> {target}")
     leaf = [t for t in graph[CONFIG_SCHEMA]
             if _in(t, "training") or _in(t, "convert") or _in(t, "checkpoint")]

@@ -49,8 +49,8 @@ def integrity_worker(rank, world_size, root: str) -> dict:
     import deepspeed
 
     from megatron_rembert.parallel import state
+    from megatron_rembert.run_config import build_config, validate_config
     from megatron_rembert.training import checkpoint as ckpt
-    from megatron_rembert.training.config import build_config, validate_config
     from megatron_rembert.training.engine import Trainer
 
     root = Path(root)

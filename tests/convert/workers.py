@@ -25,8 +25,8 @@ def train_worker(rank, world_size, model: dict, over: list[str], load: str | Non
     import deepspeed
 
     from megatron_rembert.parallel import state
+    from megatron_rembert.run_config import build_config, validate_config
     from megatron_rembert.training import checkpoint as ckpt
-    from megatron_rembert.training.config import build_config, validate_config
     from megatron_rembert.training.engine import Trainer
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -56,8 +56,8 @@ def eval_worker(rank, world_size, model: dict, over: list[str], load: str, batch
     import deepspeed
 
     from megatron_rembert.parallel import state
+    from megatron_rembert.run_config import build_config, validate_config
     from megatron_rembert.training import checkpoint as ckpt
-    from megatron_rembert.training.config import build_config, validate_config
     from megatron_rembert.training.engine import Trainer
 
     deepspeed.init_distributed(dist_backend="gloo")

@@ -77,7 +77,7 @@ def train_worker(rank, world_size, overrides, fp16_on_cpu=False):
     import deepspeed
 
     from megatron_rembert.parallel import state
-    from megatron_rembert.training.config import build_config, validate_config
+    from megatron_rembert.run_config import build_config, validate_config
     from megatron_rembert.training.engine import Trainer
     from megatron_rembert.training.portable import local_parameters
 

@@ -13,8 +13,7 @@ import torch
 
 from megatron_rembert.config import ConfigError
 from megatron_rembert.data.common import DataError
-from megatron_rembert.training.checkpoint import CheckpointError, find_latest
-from megatron_rembert.training.config import (
+from megatron_rembert.run_config import (
     RANGES,
     Config,
     build_config,
@@ -23,6 +22,7 @@ from megatron_rembert.training.config import (
     load_config,
     validate_config,
 )
+from megatron_rembert.training.checkpoint import CheckpointError, find_latest
 from megatron_rembert.training.loop import check_inputs
 from megatron_rembert.training.optim import deepspeed_config, lr_lambda
 from tests.training.conftest import SEQ

@@ -17,8 +17,8 @@ from tests.training.test_loop import losses, overrides
 def _train_fp16(rank, world_size, sets):
     """train() from configs/tiny.yaml; records, per step, whether the weights changed."""
     allow_cpu_fp16()
+    from megatron_rembert.run_config import load_config
     from megatron_rembert.training import engine, loop
-    from megatron_rembert.training.config import load_config
 
     real_step = engine.Trainer.train_step
     changed = []

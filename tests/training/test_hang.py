@@ -14,8 +14,8 @@ TIMEOUT_MIN = 0.15  # 9 s
 
 def _train_with_straggler(rank, world_size, sets):
     """pp = 2; stage 1 stalls for twice the timeout before its second step."""
+    from megatron_rembert.run_config import load_config
     from megatron_rembert.training import engine, loop
-    from megatron_rembert.training.config import load_config
 
     real_step = engine.Trainer.train_step
     calls = {"n": 0}

@@ -48,8 +48,8 @@ def losses(log_dir: Path, split: str = "train") -> dict[int, float]:
 
 def _train(rank, world_size, sets, signal_at=None, die_saving_step=None, nan_from=None):
     """Run train() from configs/tiny.yaml; optional faults injected from the outside."""
+    from megatron_rembert.run_config import load_config
     from megatron_rembert.training import checkpoint, engine, loop
-    from megatron_rembert.training.config import load_config
 
     real_step = engine.Trainer.train_step
     calls = {"n": 0}
@@ -174,8 +174,8 @@ def test_resume_refuses_other_owner_and_data_then_continues_at_another_dp(
     """Saved by 2 ranks at step 6: a live lock holder, another dataset (same tokenizer) and
     another tokenizer are refused in one line; one rank (dp 2 -> 1) then continues directly."""
     from megatron_rembert.checkpoint import CheckpointError
+    from megatron_rembert.run_config import load_config, validate_config
     from megatron_rembert.training import loop
-    from megatron_rembert.training.config import load_config, validate_config
 
     _, _, saved = uninterrupted
     shutil.copytree(saved, tmp_path / "ckpt")
@@ -209,8 +209,8 @@ def test_resume_refuses_other_owner_and_data_then_continues_at_another_dp(
 
 def test_resume_from_rolls_back_without_losing_newer(tmp_path, tiny_dataset, uninterrupted):
     """train.resume_from names an older folder: newer ones are moved aside, none deleted."""
+    from megatron_rembert.run_config import load_config, validate_config
     from megatron_rembert.training import loop
-    from megatron_rembert.training.config import load_config, validate_config
 
     _, _, saved = uninterrupted
     save_dir = tmp_path / "ckpt"

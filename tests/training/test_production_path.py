@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rembert.config import ConfigError
-from megatron_rembert.training.config import load_config, validate_config
+from megatron_rembert.run_config import load_config, validate_config
 from tests.distributed import run_distributed
 from tests.training.production import (
     VOCAB,
