@@ -42,7 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, required=True)
     p.add_argument("--weights-only", action="store_true", help="drop the optimizer state")
     p = sub.add_parser("average", help="the mean weights of several checkpoints -> a "
-                       "weights-only checkpoint (fresh optimizer on resume)")
+                       "weights-only checkpoint (fresh optimizer on resume)",
+                       description="Write the mean of the checkpoints' fp32 weights as a "
+                       "portable checkpoint (to-hf, export-encoder and training load it). "
+                       "Weights only: the optimizer state is not averaged, so training "
+                       "resumed from it starts a fresh optimizer and LR schedule at the "
+                       "newest input's step and data position.")
     p.add_argument("--checkpoints", nargs="+", required=True, metavar="CHECKPOINT",
                    help="2 or more step_XXXXXXXX folders or save folders (their 'latest'), "
                    "any layouts, of one model")
