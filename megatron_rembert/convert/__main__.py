@@ -1,4 +1,4 @@
-"""python -m megatron_rembert.convert {to-hf, from-hf, reshard, export-encoder} ...
+"""python -m megatron_rembert.convert {to-hf, from-hf, reshard, export-encoder, average} ...
 
 See docs/convert.md. Every command writes into a temporary folder next to --out and renames it
 at the end; a non-empty --out is refused unless --force.
@@ -41,6 +41,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, required=True)
     p.add_argument("--pp", type=int, required=True)
     p.add_argument("--weights-only", action="store_true", help="drop the optimizer state")
+    p = sub.add_parser("average", help="the mean weights of several checkpoints -> a "
+                       "weights-only checkpoint (fresh optimizer on resume)",
+                       description="Write the mean of the checkpoints' fp32 weights as a "
+                       "portable checkpoint (to-hf, export-encoder and training load it). "
+                       "Weights only: the optimizer state is not averaged, so training "
+                       "resumed from it starts a fresh optimizer and LR schedule at the "
+                       "newest input's step and data position.")
+    p.add_argument("--checkpoints", nargs="+", required=True, metavar="CHECKPOINT",
+                   help="2 or more step_XXXXXXXX folders or save folders (their 'latest'), "
+                   "any layouts, of one model")
+    p.add_argument("--out", required=True, help="a train.save_dir; records the newest input's "
+                   "step and consumed samples")
     for p in sub.choices.values():
         p.add_argument("--force", action="store_true", help="replace a non-empty --out")
     return parser
@@ -48,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from megatron_rembert.convert import hf_io, reshard
+    from megatron_rembert.convert import average, hf_io, reshard
 
     try:
         if args.command in ("to-hf", "export-encoder"):
@@ -57,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "from-hf":
             hf_io.import_hf(args.model, args.out, args.tp, args.pp, args.force, args.config,
                             args.set, args.seed)
+        elif args.command == "average":
+            average.average(args.checkpoints, args.out, args.force)
         else:
             reshard.reshard(args.checkpoint, args.out, args.tp, args.pp, args.force,
                             args.weights_only)
