@@ -11,7 +11,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import yaml
 
 # Dense bf16 peak FLOP/s per GPU (vendor data sheets, without sparsity).
 PEAK_BF16_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12}
@@ -54,6 +53,8 @@ class MetricsLogger:
             self.jsonl = open(log_dir / "metrics.jsonl", "a")
             if run_config is not None:
                 # Indented: TensorBoard renders text as Markdown, and this keeps it verbatim.
+                import yaml  # here: the GPU bench imports this module without PyYAML
+
                 text = yaml.safe_dump(run_config, sort_keys=False)
                 self.writer.add_text("config", "    " + text.replace("\n", "\n    "))
             if wandb_project:
