@@ -16,12 +16,11 @@ returns (grad_weight alone is V x E in the input dtype, for both variants). Time
 forward + backward (no warm-up), wall clock. Linux only (VmRSS from /proc).
 
 Each variant runs --runs times (fresh processes); the median and the spread (min..max) are
-printed. glibc's allocator makes single runs disagree: after the first large free its mmap
-threshold rises (up to 32 MiB), so later buffers below it come from per-thread arenas that keep
-their pages after a free, and how much is kept depends on which threads allocated what. The
-children therefore run with a fixed MALLOC_MMAP_THRESHOLD_ (1 MiB): every large buffer is
-mapped and returned on free, and the peak RSS is what was alive at once (--glibc-default keeps
-glibc's behaviour).
+printed. glibc's allocator can make single runs disagree: after the first large free its mmap
+threshold rises (up to 32 MiB), so later buffers below it come from per-thread arenas that may
+keep their pages after a free. The children therefore run with a fixed MALLOC_MMAP_THRESHOLD_
+(1 MiB): every large buffer is mapped and returned on free, and the peak RSS is what was alive
+at once (--glibc-default keeps glibc's behaviour).
 
 Next to the measurement, `ours_bound` adds up, by construction of the chunked path
 (kernels/cross_entropy.py), every buffer alive at its worst moment; the naive path needs
