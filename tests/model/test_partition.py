@@ -7,6 +7,7 @@ import pytest
 from megatron_rembert.model.partition import balance_stages, one_f_one_b_efficiency
 from megatron_rembert.training.config import load_config, validate_config
 from megatron_rembert.training.estimate import (
+    check_checkpoint_stages,
     dry_run_report,
     parameter_balanced_boundaries,
     stage_plan,
@@ -103,3 +104,17 @@ def test_dry_run_prints_the_stage_table():
     assert "1F1B efficiency bound" in report
     assert "stage 0: embedding + layers 0-18" in report
     assert "stage 1: layers 19-31 + MLM head" in report
+
+
+def test_checkpoint_with_other_stages_is_refused_with_a_reshard_command():
+    config, layout = _rembert(2)
+    current = stage_plan(config, layout).boundaries
+    check_checkpoint_stages("ckpt/step_10", current, config, layout)  # same split: loads
+    old = parameter_balanced_boundaries(config, 2)
+    assert old != current
+    for saved in (None, old):  # an earlier version's checkpoint records no boundaries
+        with pytest.raises(ValueError, match=r"convert reshard --checkpoint ckpt/step_10 "
+                                             r"--out RESHARDED --tp 2 --pp 2"):
+            check_checkpoint_stages("ckpt/step_10", saved, config, layout)
+    one, single = _rembert(1)
+    check_checkpoint_stages("ckpt/step_10", None, one, single)  # pp = 1: nothing to split
