@@ -1,6 +1,8 @@
 """Peak memory and time of the MLM loss path, forward + backward, on CPU.
 
-    python bench/loss_memory.py --n 8192 --dtype bf16
+    python bench/loss_memory.py --n 1024 --v 65536 --dtype fp32 --runs 3   # a few minutes
+    python bench/loss_memory.py --n 8192 --dtype bf16                       # hours on a CPU
+                                                                            # without bf16 GEMMs
 
 Variants, each in its own fresh subprocess so that one cannot inherit the other's peak:
   ours   linear_cross_entropy (chunked; torch path on CPU), all N rows with weight 1
@@ -12,13 +14,27 @@ forward + backward the child's peak resident set size (ru_maxrss) minus that bas
 "extra peak": every byte the loss path held at its worst moment, including the gradients it
 returns (grad_weight alone is V x E in the input dtype, for both variants). Time is one cold
 forward + backward (no warm-up), wall clock. Linux only (VmRSS from /proc).
+
+Each variant runs --runs times (fresh processes); the median and the spread (min..max) are
+printed. glibc's allocator can make single runs disagree: after the first large free its mmap
+threshold rises (up to 32 MiB), so later buffers below it come from per-thread arenas that may
+keep their pages after a free. The children therefore run with a fixed MALLOC_MMAP_THRESHOLD_
+(1 MiB): every large buffer is mapped and returned on free, and the peak RSS is what was alive
+at once (--glibc-default keeps glibc's behaviour).
+
+Next to the measurement, `ours_bound` adds up, by construction of the chunked path
+(kernels/cross_entropy.py), every buffer alive at its worst moment; the naive path needs
+3 N x V logits-sized tensors plus grad_weight. Their ratio is the memory advantage at any N, V,
+E and dtype without running it (bf16 at N = 8192 takes hours on a CPU without bf16 GEMMs).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -49,6 +65,31 @@ def naive_estimate(n: int, v: int, e: int, itemsize: int) -> int:
     """Bytes the naive path needs at its worst: logits, log-probs and their gradient (3 N x V)
     plus grad_weight; used only to refuse a run that would push the machine into OOM."""
     return 3 * n * v * itemsize + v * e * itemsize
+
+
+def ours_bound(n: int, v: int, e: int, itemsize: int) -> dict[str, int]:
+    """Bytes the chunked loss holds at its worst, term by term (torch path on CPU; the Triton
+    kernels on CUDA need no fp32 copies of a tile, so this bounds them too)."""
+    from megatron_rembert.kernels.cross_entropy import choose_tiling
+
+    t = choose_tiling(v, e, None)
+    f32_copy = 4 if itemsize != 4 else 0  # `.float()` of a bf16 tile is a copy, of fp32 not
+    persistent = {
+        "grad_weight V x E": v * e * itemsize,
+        "grad_bias (fp32 + cast)": v * (4 + itemsize),
+        "grad_hidden fp32 accumulator N x E": n * e * 4,
+        "saved hidden + grad_hidden N x E": 2 * n * e * itemsize,
+        "per-row vectors": n * 48,  # ids, targets, lse, sums, losses, upstream gradient
+    }
+    forward = {"forward logits chunk (+fp32 copy, exp temporary)":
+               t.forward_rows * v * (itemsize + f32_copy + 4)}
+    backward = {
+        "backward tile (+fp32 copy)": t.backward_rows * t.vocab_block * (itemsize + f32_copy),
+        "block grad_weight fp32 + product": t.vocab_block * e * (4 + itemsize),
+        "grad_hidden product": t.backward_rows * e * itemsize,
+    }
+    worst = forward if sum(forward.values()) > sum(backward.values()) else backward
+    return {**persistent, **worst}
 
 
 def child(variant: str, n: int, v: int, e: int, dtype_name: str, threads: int) -> None:
@@ -86,7 +127,10 @@ def child(variant: str, n: int, v: int, e: int, dtype_name: str, threads: int) -
 def run_variant(variant: str, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, "--child", variant, "--n", str(args.n), "--v", str(args.v),
            "--e", str(args.e), "--dtype", args.dtype, "--threads", str(args.threads)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    env = dict(os.environ)
+    if not args.glibc_default:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(2**20)  # fixed: large buffers go back on free
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode < 0:
         return dict(error=f"killed by signal {-proc.returncode} (likely out of memory)")
     if proc.returncode != 0:
@@ -102,6 +146,9 @@ def main() -> None:
     p.add_argument("--e", type=int, default=1664, help="output embedding size E_out")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--runs", type=int, default=3, help="fresh processes per variant")
+    p.add_argument("--glibc-default", action="store_true",
+                   help="keep glibc's dynamic mmap threshold in the children (see above)")
     p.add_argument("--child", choices=["ours", "naive"], help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -114,27 +161,41 @@ def main() -> None:
     print(f"one N x V logits tensor = {args.n * args.v * item / GIB:.2f} GiB; "
           f"grad_weight (V x E, part of both) = {args.v * args.e * item / GIB:.2f} GiB")
     print("extra peak = child's peak RSS (ru_maxrss) - its RSS after allocating the inputs")
+    bound = ours_bound(args.n, args.v, args.e, item)
+    naive_need = naive_estimate(args.n, args.v, args.e, item)
+    print(f"ours by construction: {sum(bound.values()) / GIB:.3f} GiB at most (" + ", ".join(
+        f"{k} {b / GIB:.3f}" for k, b in bound.items()) + ")")
+    print(f"naive by construction: {naive_need / GIB:.3f} GiB (3 N x V + grad_weight); "
+          f"ratio {naive_need / sum(bound.values()):.1f}x")
     results = {}
     for variant in ("ours", "naive"):
-        need = naive_estimate(args.n, args.v, args.e, item) if variant == "naive" else 0
+        need = naive_need if variant == "naive" else 0
         if need > 0.85 * mem_available():
-            results[variant] = dict(error=f"skipped: needs ~{need / GIB:.1f} GiB, "
-                                          f"{mem_available() / GIB:.1f} GiB available")
-        else:
-            results[variant] = run_variant(variant, args)
-    print(f"\n{'variant':<8} {'extra peak GiB':>15} {'time s':>8} {'loss':>10}")
-    for variant, r in results.items():
-        if "error" in r:
-            print(f"{variant:<8} {r['error']}")
-        else:
-            print(f"{variant:<8} {r['extra'] / GIB:>15.3f} {r['seconds']:>8.2f} {r['loss']:>10.5f}")
-    ours, naive = results["ours"], results["naive"]
-    if "error" not in ours and "error" not in naive:
-        print(f"\nloss difference ours - naive: {ours['loss'] - naive['loss']:+.2e}")
+            results[variant] = [dict(error=f"skipped: needs ~{need / GIB:.1f} GiB, "
+                                           f"{mem_available() / GIB:.1f} GiB available")]
+            continue
+        results[variant] = [run_variant(variant, args) for _ in range(args.runs)]
+    print(f"\n{'variant':<8} {'extra peak GiB: median':>22} {'min':>7} {'max':>7} "
+          f"{'time s':>8} {'loss':>10}")
+    medians = {}
+    for variant, runs in results.items():
+        bad = [r for r in runs if "error" in r]
+        if bad:
+            print(f"{variant:<8} {bad[0]['error']}")
+            continue
+        extra = [r["extra"] / GIB for r in runs]
+        medians[variant] = statistics.median(extra)
+        print(f"{variant:<8} {medians[variant]:>22.3f} {min(extra):>7.3f} {max(extra):>7.3f} "
+              f"{statistics.median(r['seconds'] for r in runs):>8.2f} {runs[0]['loss']:>10.5f}")
+    if len(medians) == 2:
+        print(f"\nloss difference ours - naive: "
+              f"{results['ours'][0]['loss'] - results['naive'][0]['loss']:+.2e}")
         if args.dtype == "bf16":
             print("(naive F.cross_entropy on bf16 logits returns bf16 log-probs and loss, ulp "
                   "0.0625 near 13; ours does the softmax math in fp32)")
-        print(f"peak memory ratio naive / ours: {naive['extra'] / ours['extra']:.1f}x")
+        print(f"ours measured / bound: {medians['ours'] * GIB / sum(bound.values()):.2f}")
+        print(f"peak memory ratio naive / ours (medians): "
+              f"{medians['naive'] / medians['ours']:.1f}x")
     else:
         print("\npeak memory ratio: n/a (a variant did not run)")
 

@@ -57,8 +57,9 @@ def make_batch(config: ModelConfig, batch: int, seq: int, seed: int, device) -> 
     ids = ids.scatter(1, positions, 4)  # [MASK]
     out = dict(input_ids=ids, attention_mask=torch.ones_like(ids),
                token_type_ids=torch.zeros_like(ids), masked_positions=positions,
-               masked_labels=labels, masked_weights=torch.ones(batch, predictions))
-    return {k: v.to(device) for k, v in out.items()}
+               masked_labels=labels, masked_weights=torch.ones(batch, predictions),
+               unpadded=torch.ones(1, dtype=torch.long))  # no padding: attention without mask
+    return {k: v if k == "unpadded" else v.to(device) for k, v in out.items()}
 
 
 def hf_labels(batch: dict) -> torch.Tensor:

@@ -32,7 +32,10 @@ MASK_STREAM = 2  # the rng_for tag of the masking stream (0, 1: sampler)
 # floating-point tensor it passes between stages for an activation that needs a gradient.
 BATCH_DTYPES = {"input_ids": np.int64, "attention_mask": np.int64, "token_type_ids": np.int64,
                 "masked_positions": np.int64, "masked_labels": np.int64,
-                "masked_weights": np.float32}
+                "masked_weights": np.float32,
+                # shape (1,): 1 if attention_mask has no padding (data.loader.add_unpadded_flag),
+                # then attention runs without a mask (model/transformer.py)
+                "unpadded": np.int64}
 
 
 def default_max_predictions(seq_length: int, mask_prob: float = 0.15) -> int:

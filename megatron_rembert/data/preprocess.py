@@ -1,10 +1,12 @@
 """Corpus folder -> dataset folder of packed, fixed-length token sequences.
 
 Languages are processed one after the other; worker processes tokenise batches of documents
-while the main process reads, packs and writes, so the output is identical whatever the number
-of workers. Packing: a language's documents form one stream `d1 [SEP] d2 [SEP] ...`, cut into
-pieces of S-2 tokens, each stored as `[CLS] piece [SEP]`; a language's last sequence is padded.
-A document goes to the validation split when a hash of (file, line) falls under
+and sort them into the train and validation splits, while the main process reads, packs (one
+call per batch and split) and writes, so the output is identical whatever the number of
+workers. The main process's share is kept small: on 2 cores it shares one with a worker.
+Packing: a language's documents form one stream `d1 [SEP] d2 [SEP] ...`, cut into pieces
+of S-2 tokens, each stored as `[CLS] piece [SEP]`; a language's last sequence is padded. A
+document goes to the validation split when a hash of (file, line) falls under
 `valid_fraction`: stable across reruns and independent of the worker count.
 
 Restart: after each batch of shards, `.progress/<lang>.json` records the input position and
@@ -78,21 +80,28 @@ def _init_worker(model_path: str) -> None:
         _SP = e
 
 
-def _tokenize(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids of all `texts` as one flat int32 array plus [len(texts) + 1] offsets.
+def _tokenize(texts: list[str], rel: str, lines: list[int], valid_fraction: float
+              ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Split -> (token ids of its documents as one flat int32 array, [docs + 1] offsets), for
+    the documents `texts` at `lines` of file `rel`.
 
     One thread: a worker is one core (`--workers` sets the parallelism; SentencePiece's own
-    threads would only oversubscribe the cores). One flat array instead of one per document:
-    pickling ~256 small arrays back to the main process cost more than the encoding."""
+    threads would only oversubscribe the cores). One flat array per split instead of one per
+    document: pickling ~256 small arrays back to the main process cost more than the encoding,
+    and the main process packs each split's batch in one call (Packer.add_many)."""
     if isinstance(_SP, BaseException):
         raise _SP
     pieces = _SP.encode(texts, num_threads=1)
-    lengths = np.fromiter(map(len, pieces), dtype=np.int64, count=len(pieces))
-    offsets = np.zeros(len(pieces) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    flat = np.fromiter(itertools.chain.from_iterable(pieces), dtype=np.int32,
-                       count=int(offsets[-1]))
-    return flat, offsets
+    out = {}
+    for split in ("train", "valid"):
+        mine = [p for p, line in zip(pieces, lines, strict=True)
+                if (split == "valid") == is_valid_doc(rel, line, valid_fraction)]
+        offsets = np.zeros(len(mine) + 1, dtype=np.int64)
+        np.cumsum(np.fromiter(map(len, mine), dtype=np.int64, count=len(mine)),
+                  out=offsets[1:])
+        out[split] = (np.fromiter(itertools.chain.from_iterable(mine), dtype=np.int32,
+                                  count=int(offsets[-1])), offsets)
+    return out
 
 
 def is_valid_doc(rel: str, line: int, fraction: float) -> bool:
@@ -174,7 +183,7 @@ class _Language:
         cfg, st = self.cfg, self.state
         stats = corpus_mod.SkipStats(**st["skipped"])
         done_bytes = bytes_before + sum(f.size for f in self.files[: st["file_idx"]])
-        # hoisted out of the per-document loop below (it runs ~100k times per 30 MB)
+        # looked up once, not per batch
         train, valid, cap = self.packers["train"], self.packers["valid"], cfg.rows_per_shard
         for fi in range(st["file_idx"], len(self.files)):
             cf = self.files[fi]
@@ -184,17 +193,17 @@ class _Language:
                 bar.update(base + pos, f"{self.lang} {st['documents']:,} docs")
 
             docs = corpus_mod.iter_documents(cf, stats, start, cfg.max_line_bytes, on_progress)
-            for batch, (flat, offsets) in ordered_map(
-                lambda b: submit([t for _, t, _ in b]),
+            for (lines, _, skipped), tokens in ordered_map(
+                lambda b, rel=cf.rel: submit(b[1], rel, b[0], cfg.valid_fraction),
                 _batched(docs, stats, cfg.docs_per_task), max_in_flight=2 * cfg.workers + 2,
             ):
-                bounds = offsets.tolist()
-                for i, (line, _text, skipped) in enumerate(batch):
-                    split = "valid" if is_valid_doc(cf.rel, line, cfg.valid_fraction) else "train"
-                    self.packers[split].add(flat[bounds[i]:bounds[i + 1]])
-                    st["documents"] += 1
-                    if max(train.n_rows, valid.n_rows) >= cap:
-                        self.checkpoint(fi, line + 1, skipped)
+                for split, (flat, offsets) in tokens.items():
+                    self.packers[split].add_many(flat, offsets)
+                st["documents"] += len(lines)
+                # Checkpoints fall at batch ends (batches start at a file's first line or at
+                # the previous checkpoint, so a resumed run makes the same batches).
+                if max(train.n_rows, valid.n_rows) >= cap:
+                    self.checkpoint(fi, lines[-1] + 1, skipped)
             done_bytes += cf.size
             st["file_idx"], st["line"] = fi + 1, 0
         for p in self.packers.values():
@@ -203,15 +212,16 @@ class _Language:
 
 
 def _batched(docs, stats, n):
-    """Group documents into lists of (line, text, skip counts so far) for the workers."""
-    batch = []
+    """Group documents into batches of (lines, texts, skip counts after the last of them)."""
+    lines, texts = [], []
     for line, text in docs:
-        batch.append((line, text, {k: getattr(stats, k) for k in _COUNTED}))
-        if len(batch) == n:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
+        lines.append(line)
+        texts.append(text)
+        if len(lines) == n:
+            yield lines, texts, {k: getattr(stats, k) for k in _COUNTED}
+            lines, texts = [], []
+    if lines:
+        yield lines, texts, {k: getattr(stats, k) for k in _COUNTED}
 
 
 def _settings(cfg: PreprocessConfig, tok_sha: str, files_by_lang) -> dict:
@@ -261,8 +271,8 @@ def preprocess(cfg: PreprocessConfig) -> dict:
     if cfg.workers > 0:
         pool = mp.get_context("spawn").Pool(cfg.workers, _init_worker, (cfg.tokenizer,))
 
-        def submit(texts):
-            return pool.apply_async(_tokenize, (texts,))
+        def submit(*args):
+            return pool.apply_async(_tokenize, args)
     else:
         _init_worker(cfg.tokenizer)
 
@@ -273,8 +283,8 @@ def preprocess(cfg: PreprocessConfig) -> dict:
             def get(self):
                 return self.v
 
-        def submit(texts):
-            return _Done(_tokenize(texts))
+        def submit(*args):
+            return _Done(_tokenize(*args))
     try:
         langs, before = {}, 0
         for lang, files in files_by_lang.items():

@@ -31,10 +31,11 @@ from megatron_rembert.model.transformer import TransformerLayer
 # The order of the tuples between stages, the one place it is defined. The first stage's
 # inputs are the keys of a micro-batch (data.masking.BATCH_DTYPES), the weights as int32 bits.
 PIPE_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "masked_positions",
-               "masked_labels", "masked_weights")
-# What every later stage receives.
+               "masked_labels", "masked_weights", "unpadded")
+# What every later stage receives. `unpadded` travels with its micro-batch, so every stage
+# and TP rank takes the same attention path for it.
 PIPE_ACTIVATIONS = ("hidden", "attention_mask", "masked_positions", "masked_labels",
-                    "masked_weights")
+                    "masked_weights", "unpadded")
 
 
 # Global name prefixes of the pipeline layers: 0 embeddings, 1..L Transformer layers, L+1 head.
@@ -95,7 +96,9 @@ class TransformerLayerPipe(TransformerLayer):
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         x = _named(PIPE_ACTIVATIONS, inputs)
-        return _activations(super().forward(x["hidden"], x["attention_mask"].bool()), x)
+        # A device tensor here (the engine moves and sends it): one read per layer.
+        key_mask = None if bool(x["unpadded"]) else x["attention_mask"].bool()
+        return _activations(super().forward(x["hidden"], key_mask), x)
 
 
 class MLMHeadPipe(MLMHead):

@@ -44,15 +44,17 @@ class RemBertModel(nn.Module):
         self.activation_checkpointing = False
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                token_type_ids: torch.Tensor | None = None, output_hidden_states: bool = False):
-        """input_ids, attention_mask (1 = real token), token_type_ids: B x S.
+                token_type_ids: torch.Tensor | None = None, output_hidden_states: bool = False,
+                unpadded: torch.Tensor | bool = False):
+        """input_ids, attention_mask (1 = real token), token_type_ids: B x S. `unpadded`
+        (the batch key, best a host tensor: it is read here) says that attention_mask is all
+        ones; attention then runs without a mask, as it does when attention_mask is None.
 
         Returns the last hidden state B x S x H, or with output_hidden_states the list of the
         hidden states after the embeddings and after every layer (as transformers does).
         """
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        key_mask = attention_mask.bool()  # B x S
+        no_mask = attention_mask is None or bool(unpadded)
+        key_mask = None if no_mask else attention_mask.bool()  # B x S
         x = self.embeddings(input_ids, token_type_ids)
         states = [x]
         for layer in self.layers:
@@ -78,9 +80,12 @@ class RemBertForPreTraining(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 token_type_ids: torch.Tensor, masked_positions: torch.Tensor,
-                masked_labels: torch.Tensor, masked_weights: torch.Tensor) -> MLMLoss:
-        """All inputs B x S or B x P (the fixed width of masked predictions per sequence)."""
-        hidden = self.rembert(input_ids, attention_mask, token_type_ids)  # B x S x H
+                masked_labels: torch.Tensor, masked_weights: torch.Tensor,
+                unpadded: torch.Tensor | bool = False) -> MLMLoss:
+        """All inputs B x S or B x P (the fixed width of masked predictions per sequence);
+        `unpadded` as in RemBertModel.forward."""
+        hidden = self.rembert(input_ids, attention_mask, token_type_ids,
+                              unpadded=unpadded)  # B x S x H
         masked_hidden = gather_positions(hidden, masked_positions)  # (B*P) x H
         return self.mlm_head(masked_hidden, masked_labels.reshape(-1),
                              masked_weights.reshape(-1))

@@ -43,8 +43,10 @@ class SelfAttention(nn.Module):
         b, s, _ = x.shape
         return x.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)  # B x h x S x d
 
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
-        """x: B x S x H; key_mask: B x S bool (True = real token) -> B x S x H."""
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
+        """x: B x S x H; key_mask: B x S bool (True = real token), or None when no position is
+        padding: SDPA without a mask may then use FlashAttention on CUDA (a boolean mask rules
+        it out) -> B x S x H."""
         b, s, _ = x.shape
         x = copy_to_tp(x)
         q, k, v = self._heads(self.query(x)), self._heads(self.key(x)), self._heads(self.value(x))
@@ -53,7 +55,8 @@ class SelfAttention(nn.Module):
         with tp_rng(x.device) if dropout_p > 0 else contextlib.nullcontext():
             if self.backend == "sdpa":
                 ctx = F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=key_mask[:, None, None, :], dropout_p=dropout_p)
+                    q, k, v, attn_mask=None if key_mask is None else key_mask[:, None, None, :],
+                    dropout_p=dropout_p)
             else:
                 scores = q @ k.transpose(-1, -2)  # B x h x S x S
                 probs = fused_scale_mask_softmax(scores, key_mask, 1.0 / math.sqrt(self.head_dim))
@@ -85,6 +88,6 @@ class TransformerLayer(nn.Module):
         self.ffn_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
         x = self.attention_norm(x + self.dropout(self.attention(x, key_mask)))
         return self.ffn_norm(x + self.dropout(self.ffn(x)))

@@ -1,7 +1,8 @@
 """The DeepSpeed engine around our model, and one training step over a global batch.
 
 pp = 1: the plain model under DeepSpeed's standard engine (ZeRO 0, 1 or 2).
-pp > 1: a `PipelineModule` (1F1B) whose stages are balanced by parameters.
+pp > 1: a `PipelineModule` (1F1B) whose stages are balanced by training FLOPs
+(`training.estimate.stage_plan`; `Trainer.stage_boundaries` records the split).
 
 Loss normalisation is layout-independent: the gradient is that of
     sum of per-token losses over the global batch / number of real masked tokens in it,
@@ -25,17 +26,14 @@ from torch.utils.checkpoint import checkpoint
 
 from megatron_rembert.data.masking import BATCH_DTYPES
 from megatron_rembert.model.mlm_head import MLMLoss
-from megatron_rembert.model.pipeline import (
-    pipeline_inputs,
-    pipeline_layer_builders,
-    pipeline_layer_costs,
-)
+from megatron_rembert.model.pipeline import pipeline_inputs, pipeline_layer_builders
 from megatron_rembert.model.rembert import RemBertForPreTraining
 from megatron_rembert.parallel import comm, state
 from megatron_rembert.parallel.layers import init_weights, is_tp_sharded
 from megatron_rembert.parallel.layout import Layout
 from megatron_rembert.parallel.random import checkpoint_safe
 from megatron_rembert.run_config import Config
+from megatron_rembert.training.estimate import stage_plan
 from megatron_rembert.training.hang import POSITION
 from megatron_rembert.training.lamb import Lamb
 from megatron_rembert.training.optim import build_optimizer, build_scheduler, deepspeed_config
@@ -65,9 +63,13 @@ def check_micro_batch(mb: dict, where: str = "micro-batch") -> None:
     b, s = mb["input_ids"].shape
     p = mb["masked_positions"].shape[1]
     for key in BATCH_DTYPES:
-        if tuple(mb[key].shape) != ((b, p) if key.startswith("masked_") else (b, s)):
+        expected = (1,) if key == "unpadded" else (b, p) if key.startswith("masked_") else (b, s)
+        if tuple(mb[key].shape) != expected:
             raise ValueError(f"{where}: {key} has shape {tuple(mb[key].shape)}, expected "
-                             f"{(b, p) if key.startswith('masked_') else (b, s)}")
+                             f"{expected}")
+    if bool(mb["unpadded"]) and not bool(mb["attention_mask"].all()):
+        raise ValueError(f"{where}: unpadded is 1 but attention_mask has padding (0s); "
+                         "compute it with data.loader.unpadded_flag")
 
 
 class _StepContext:
@@ -100,18 +102,20 @@ def _build_pipeline(config: Config, layout: Layout):
     from deepspeed.pipe import LayerSpec, PipelineModule
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-    costs = pipeline_layer_costs(config.model)
+    boundaries = stage_plan(config, layout).boundaries
 
     class RemBertPipelineModule(PipelineModule):
-        # Balance stages by our analytic parameter counts instead of DeepSpeed's, which builds
-        # every layer (the 418M-parameter head included) on every rank to count it.
-        def _count_layer_params(self):
-            return list(costs)
+        # Our stage boundaries (balanced by training FLOPs, the same on every rank) instead
+        # of DeepSpeed's methods, which balance parameters or layer counts.
+        def _partition_layers(self, method: str = "") -> None:
+            self.parts = list(boundaries)
+            stage = self._topo.get_coord(self.global_rank).pipe
+            self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
 
     topology = PipeModelDataParallelTopology(num_pp=layout.pp, num_mp=layout.tp, num_dp=layout.dp)
     specs = [LayerSpec(cls, *args) for cls, args in pipeline_layer_builders(config.model)]
     module = RemBertPipelineModule(
-        layers=specs, topology=topology, partition_method="parameters",
+        layers=specs, topology=topology, partition_method="ours",
         activation_checkpoint_interval=1 if config.parallel.activation_checkpointing else 0,
         activation_checkpoint_func=_recompute, checkpointable_layers=["TransformerLayerPipe"])
     for layer in module.forward_funcs:
@@ -132,8 +136,12 @@ class Trainer:
 
         self.config, self.layout, self.device = config, layout, device
         self.pipeline = layout.pp > 1
+        # Stage i owns pipeline layers [b_i, b_i+1): the checkpoint metadata records it, since
+        # each stage's optimizer state depends on it (None for pp = 1).
+        self.stage_boundaries: list[int] | None = None
         if self.pipeline:
             model = _build_pipeline(config, layout)
+            self.stage_boundaries = list(model.parts)
         else:
             model = RemBertForPreTraining(config.model)
             model.init_weights(config.train.seed)
@@ -167,8 +175,10 @@ class Trainer:
         tokens = comm.all_reduce(torch.tensor(local, dtype=torch.float32, device=self.device),
                                  group=state.get_state().dp_group)
         step = _StepContext((self.layout.gas * self.layout.dp) / tokens.clamp(min=1.0))
-        moved = [{k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
-                 for mb in micro_batches]
+        # `unpadded` stays on the host: the model reads it to pick the attention call, and
+        # reading a device tensor would wait for the device.
+        moved = [{k: v if k == "unpadded" else v.to(self.device, non_blocking=True)
+                  for k, v in mb.items()} for mb in micro_batches]
         return moved, step
 
     def _finish_stats(self, step: _StepContext) -> tuple[float, float, int]:

@@ -2,68 +2,135 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from megatron_rembert.data.common import format_table
+from megatron_rembert.data.loader import max_mask_prob
 from megatron_rembert.data.masking import default_max_predictions
 from megatron_rembert.data.schedule import Schedule
+from megatron_rembert.model.partition import (
+    balance_stages,
+    one_f_one_b_efficiency,
+    pipeline_layer_flops,
+)
 from megatron_rembert.model.pipeline import pipeline_layer_costs
 from megatron_rembert.model.sizes import flops_per_token, parameter_counts
 from megatron_rembert.parallel.layout import Layout
 from megatron_rembert.run_config import Config, validate_config
 
 
-def _partition(costs: list[int], stages: int) -> list[list[int]]:
-    """Contiguous split of layer costs into `stages` parts minimising the largest part."""
-    lo, hi = max(costs), sum(costs)
-    while lo < hi:  # binary search on the largest stage
-        mid = (lo + hi) // 2
-        parts, current = 1, 0
-        for c in costs:
-            if current + c > mid:
-                parts, current = parts + 1, 0
-            current += c
-        lo, hi = (mid + 1, hi) if parts > stages else (lo, mid)
-    out, current = [[]], 0
-    for c in costs:
-        if current + c > lo:
-            out.append([])
-            current = 0
-        out[-1].append(c)
-        current += c
-    return out
+@dataclass
+class StagePlan:
+    """The pipeline partition of a config and layout, and what each stage costs per rank."""
+
+    boundaries: list[int]  # stage i owns pipeline layers [boundaries[i], boundaries[i+1])
+    flops: list[float]  # training FLOPs per micro-batch, per stage
+    parameters: list[float]  # per rank (TP shard)
+    memory: list[dict[str, float]]  # bytes per rank: parameters, gradients, optimizer, acts
+    efficiency: float  # 1F1B bound for the accumulation steps of a global batch
+
+    def total_memory(self, stage: int) -> float:
+        return sum(self.memory[stage].values())
+
+
+def _bytes_per_parameter(config: Config, layout: Layout) -> dict[str, float]:
+    """Parameters and gradients in the training precision (fp32 master weights kept by the
+    optimizer for bf16/fp16), Adam moments fp32; ZeRO-1 shards optimizer states, ZeRO-2 also
+    gradients, over DP. bf16/fp16 gradients also accumulate in an fp32 buffer (DeepSpeed's
+    BF16_Optimizer or its ZeRO gradient-accumulation attribute): whole up to ZeRO-1."""
+    half = config.train.precision in ("bf16", "fp16")
+    weight, zero, dp = (2 if half else 4), config.parallel.zero_stage, layout.dp
+    return {"parameters": weight,
+            "gradients": (weight + (4 if half else 0)) / (dp if zero >= 2 else 1),
+            "optimizer_states": ((4 if half else 0) + 8) / (dp if zero >= 1 else 1)}
+
+
+def _activation_bytes(config: Config, layout: Layout) -> list[float]:
+    """Bytes one micro-batch leaves in memory per pipeline layer until its backward.
+
+    Transformer layers follow Korthikanti et al. 2022 ("Reducing activation recomputation"),
+    without sequence parallelism: s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes in 16-bit, doubled
+    for fp32; with activation checkpointing only the layer input (2*s*b*h) is kept. The
+    embedding keeps its E_in and H outputs, the head its P gathered rows (H, E_out twice).
+    """
+    m, tp = config.model, layout.tp
+    s, b, h, a = config.data.seq_length, layout.micro_batch_size, m.hidden_size, \
+        m.num_attention_heads
+    scale = 1 if config.train.precision in ("bf16", "fp16") else 2
+    layer = 2 * s * b * h if config.parallel.activation_checkpointing else \
+        s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
+    embedding = 2 * s * b * (m.input_embedding_size + h)
+    head = 2 * b * _predictions(config) * (h + 2 * m.output_embedding_size)
+    return [scale * x for x in [embedding] + [layer] * m.num_hidden_layers + [head]]
+
+
+def _predictions(config: Config) -> int:
+    """P, the masked slots per sequence the head runs on: as the loader sizes them, from the
+    largest mask rate of the schedule and validation."""
+    data = config.data
+    rate = max_mask_prob(data, config.train.steps, config.eval.mask_prob)
+    return data.max_predictions or default_max_predictions(data.seq_length, rate)
+
+
+def stage_plan(config: Config, layout: Layout, memory_cap: float | None = None) -> StagePlan:
+    """Stages balanced by training FLOPs (model.partition.balance_stages), each under
+    `memory_cap` bytes per rank if given. The trainer builds its pipeline from these
+    boundaries; `--dry-run` prints them."""
+    m, pp = config.model, layout.pp
+    flops = [x * layout.micro_batch_size / layout.tp for x in pipeline_layer_flops(
+        m, config.data.seq_length, _predictions(config), config.parallel.activation_checkpointing)]
+    params = [c / layout.tp for c in pipeline_layer_costs(m)]
+    per_param = _bytes_per_parameter(config, layout)
+    static = [p * sum(per_param.values()) for p in params]
+    activations = _activation_bytes(config, layout)
+    in_flight = [min(pp - i, layout.gas) for i in range(pp)]
+    bounds = balance_stages(flops, static, activations, in_flight, memory_cap)
+    stages = [range(bounds[i], bounds[i + 1]) for i in range(pp)]
+    stage_params = [sum(params[k] for k in r) for r in stages]
+    memory = [{**{key: n * b for key, b in per_param.items()},
+               "activations": in_flight[i] * sum(activations[k] for k in stages[i])}
+              for i, n in enumerate(stage_params)]
+    stage_flops = [sum(flops[k] for k in r) for r in stages]
+    return StagePlan(boundaries=bounds, flops=stage_flops, parameters=stage_params,
+                     memory=memory, efficiency=one_f_one_b_efficiency(stage_flops, layout.gas))
+
+
+def parameter_balanced_boundaries(config: Config, pp: int) -> list[int]:
+    """The partition of earlier versions (DeepSpeed's `partition_balanced` over parameter
+    counts), for reading checkpoints that did not record their boundaries."""
+    from deepspeed.runtime.utils import partition_balanced
+
+    return list(partition_balanced(weights=pipeline_layer_costs(config.model), num_parts=pp))
+
+
+def check_checkpoint_stages(folder: str, saved: list[int] | None, config: Config,
+                            layout: Layout, current: list[int] | None = None) -> None:
+    """Refuse to resume a pipeline checkpoint whose stages differ from this run's.
+
+    `saved`: the boundaries the checkpoint's meta recorded (`Trainer.stage_boundaries`), None
+    for checkpoints of earlier versions, which split stages by parameters. Each stage's
+    optimizer state holds the parameters of its layers, so only the same split can load it;
+    the weights (one file per layer) and `convert reshard` (it reads layers by their global
+    index) do not depend on it."""
+    if layout.pp == 1:
+        return
+    current = current or stage_plan(config, layout).boundaries
+    if saved is None:
+        saved = parameter_balanced_boundaries(config, layout.pp)
+    if list(saved) != list(current):
+        raise ValueError(
+            f"{folder}: saved with pipeline stages {list(saved)} (layer boundaries), this run "
+            f"splits them as {list(current)}; each stage's optimizer state only fits its own "
+            f"split. Convert it first: python -m megatron_rembert.convert reshard --checkpoint "
+            f"{folder} --out RESHARDED --tp {layout.tp} --pp {layout.pp}, then resume with "
+            "train.save_dir=RESHARDED")
 
 
 def memory_estimate(config: Config, layout: Layout) -> dict:
-    """Bytes per rank on the most loaded pipeline stage.
-
-    Parameters and gradients in the training precision (fp32 master weights kept by the
-    optimizer for bf16/fp16), Adam moments fp32; ZeRO-1 shards optimizer states, ZeRO-2 also
-    gradients, over DP. bf16/fp16 gradients also accumulate in an fp32 buffer (DeepSpeed's
-    BF16_Optimizer or its ZeRO gradient-accumulation attribute): whole up to ZeRO-1.
-    Activations per Transformer layer and micro-batch follow Korthikanti et al. 2022
-    ("Reducing activation recomputation"), without sequence parallelism:
-    s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes in 16-bit; doubled for fp32; with full activation
-    checkpointing only the layer input (2*s*b*h) is kept per layer. With 1F1B the first stage
-    holds up to pp micro-batches in flight.
-    """
-    m, par, train = config.model, config.parallel, config.train
-    tp, pp, dp = layout.tp, layout.pp, layout.dp
-    stages = _partition(pipeline_layer_costs(m), pp)
-    params = max(sum(s) for s in stages) / tp
-    half = train.precision in ("bf16", "fp16")
-    weight_bytes = 2 if half else 4
-    zero = par.zero_stage
-    grads = params * (weight_bytes + (4 if half else 0)) / (dp if zero >= 2 else 1)
-    optimizer = params * ((4 if half else 0) + 8) / (dp if zero >= 1 else 1)
-    s, b, h, a = config.data.seq_length, layout.micro_batch_size, m.hidden_size, \
-        m.num_attention_heads
-    per_layer = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
-    if par.activation_checkpointing:
-        per_layer = 2 * s * b * h
-    layers_per_stage = -(-m.num_hidden_layers // pp)
-    activations = per_layer * layers_per_stage * min(pp, layout.gas) * (1 if half else 2)
-    return {"parameters": params * weight_bytes, "gradients": grads,
-            "optimizer_states": optimizer, "activations": activations,
-            "params_per_rank": params}
+    """Bytes per rank on the pipeline stage that needs the most memory (see `stage_plan`)."""
+    plan = stage_plan(config, layout)
+    busiest = max(range(layout.pp), key=plan.total_memory)
+    return {**plan.memory[busiest], "params_per_rank": plan.parameters[busiest]}
 
 
 def dry_run_report(config: Config, world_size: int | None = None) -> str:
@@ -92,6 +159,8 @@ def dry_run_report(config: Config, world_size: int | None = None) -> str:
         lines.append(f"  {key:<17} {mem[key] / gib:8.2f} GiB")
     total = sum(mem[k] for k in ("parameters", "gradients", "optimizer_states", "activations"))
     lines.append(f"  {'total':<17} {total / gib:8.2f} GiB")
+    if layout.pp > 1:
+        lines += stage_table(config, layout)
     lines.append(phase_table(config))
     return "\n".join(lines)
 
@@ -114,9 +183,34 @@ def phase_table(config: Config) -> str:
           f"{decay_start}, {optim.decay} decay to {optim.min_lr:g} at {config.train.steps}"
           if optim.decay != "constant" else
           f"learning rate: warm-up 0-{optim.warmup_steps}, then {optim.lr:g} constant")
-    rate = max(schedule.max_mask_prob, config.eval.mask_prob)
-    width = config.data.max_predictions or default_max_predictions(config.data.seq_length, rate)
+    rate, width = max(schedule.max_mask_prob, config.eval.mask_prob), _predictions(config)
     return "\n".join([f"schedule by phase (steps; P = {width} masked slots for the largest "
                       f"mask rate, {rate:g}; validation at {config.eval.mask_prob:g}):",
                       format_table(["phase", "steps", "mask rate", "alpha",
                                     "languages entering"], rows), lr])
+
+
+def _layer_names(start: int, stop: int, num_layers: int) -> str:
+    """Pipeline layers [start, stop) in words: 0 is the embedding, num_layers + 1 the head."""
+    parts = ["embedding"] if start == 0 else []
+    first, last = max(start, 1), min(stop, num_layers + 1)  # Transformer layers 1..N
+    if last > first:
+        parts.append(f"layers {first - 1}-{last - 2}" if last - first > 1 else
+                     f"layer {first - 1}")
+    if stop == num_layers + 2:
+        parts.append("MLM head")
+    return " + ".join(parts)
+
+
+def stage_table(config: Config, layout: Layout) -> list[str]:
+    """Per pipeline stage: its layers, FLOP share, parameters and memory per rank."""
+    plan = stage_plan(config, layout)
+    total = sum(plan.flops)
+    lines = [f"pipeline stages (balanced by training FLOPs; 1F1B efficiency bound "
+             f"{plan.efficiency:.1%} with {layout.gas} micro-batches per step):"]
+    for i in range(layout.pp):
+        start, stop = plan.boundaries[i], plan.boundaries[i + 1]
+        lines.append(f"  stage {i}: {_layer_names(start, stop, config.model.num_hidden_layers):<34}"
+                     f" FLOPs {plan.flops[i] / total:6.1%}  {plan.parameters[i]:>13,.0f} "
+                     f"parameters  {plan.total_memory(i) / 2**30:7.2f} GiB")
+    return lines

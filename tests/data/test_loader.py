@@ -60,7 +60,8 @@ def test_resume_is_exact(dataset):
 def test_torch_batch_and_whole_word(dataset, tokenizer):
     (b,) = _take(dataset, 1, return_tensors="pt", whole_word_mask=True)
     assert set(b) == {"input_ids", "attention_mask", "token_type_ids", "masked_positions",
-                      "masked_labels", "masked_weights"}
+                      "masked_labels", "masked_weights", "unpadded"}
+    assert b["unpadded"].tolist() == [int(b["attention_mask"].all())]
     assert {k: v.dtype for k, v in b.items()} == {
         k: torch.from_numpy(np.zeros(0, dtype)).dtype for k, dtype in BATCH_DTYPES.items()}
     assert b["attention_mask"].dtype == torch.int64 and b["input_ids"].shape == (2, 64)

@@ -33,4 +33,5 @@ def random_batch(config: ModelConfig, batch: int = 3, seq: int = 20, predictions
     weights[1, -1] = 0.0
     labels[1, -1] = 0
     return dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-                masked_positions=positions, masked_labels=labels, masked_weights=weights)
+                masked_positions=positions, masked_labels=labels, masked_weights=weights,
+                unpadded=torch.zeros(1, dtype=torch.long))

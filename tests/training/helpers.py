@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron_rembert.data.loader import unpadded_flag
+
 SEQ, PREDICTIONS = 16, 4
 
 
@@ -32,8 +34,10 @@ def micro_batches(step: int, global_batch: int, micro: int, dp_rank: int, dp: in
     per_rank = global_batch // dp
     start = step * global_batch + dp_rank * per_rank
     samples = [sample(start + i, vocab_size) for i in range(per_rank)]
-    return [{k: torch.stack([s[k] for s in samples[i:i + micro]]) for k in samples[0]}
-            for i in range(0, per_rank, micro)]
+    batches = [{k: torch.stack([s[k] for s in samples[i:i + micro]]) for k in samples[0]}
+               for i in range(0, per_rank, micro)]
+    return [{**b, "unpadded": torch.from_numpy(unpadded_flag(b["attention_mask"].numpy()))}
+            for b in batches]
 
 
 STEPS = 5

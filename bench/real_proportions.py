@@ -1,0 +1,182 @@
+"""Ours against transformers' RemBertForMaskedLM at the real model's proportions, on CPU.
+
+bench/train_throughput.py uses 2 layers of H 512 under the full 250k head, which makes the head
+dominate and flatters the sparse head. Here every shape is the `rembert` preset's (H 1152, 18
+heads, FFN 4608, E_in 256, E_out 1664, V 250,300, sequence 512, P = 80 predictions per
+sequence), only the layer count is cut (--layers, default 2). In one run, one model after the
+other (each holds ~8 GiB in fp32 with its AdamW states):
+  hf    transformers.RemBertForMaskedLM, labels -100 except the masked positions (its head
+        projects every position onto the vocabulary) + torch.optim.AdamW
+  ours  RemBertForPreTraining (head and loss at the P masked slots, chunked fused loss) + the
+        same torch.optim.AdamW
+Per model: seconds per step (median after a warm-up step), split into forward + backward and
+the optimizer step; tokens/s; the matmul FLOPs it executes per step (ours: with the loss's
+logits recomputation in backward; hf: its head on all S positions) as FLOP/s and as a fraction
+of this machine's GEMM peak, measured in the same run (a 2048^3 matmul and the model's own GEMM
+shapes, best of a few). Also the loss alone (our head + fused loss, forward + backward).
+
+    python bench/real_proportions.py [--layers 2] [--batch 1] [--steps 2] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from train_throughput import hf_labels, make_batch  # noqa: E402
+
+from megatron_rembert.config import get_preset  # noqa: E402
+from megatron_rembert.data.masking import default_max_predictions  # noqa: E402
+from megatron_rembert.model.partition import pipeline_layer_flops  # noqa: E402
+from megatron_rembert.model.rembert import RemBertForPreTraining  # noqa: E402
+
+SEQ = 512
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=2, help="Transformer layers (rembert has 32)")
+    p.add_argument("--batch", type=int, default=1, help="sequences of 512 tokens per step")
+    p.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up step")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    return p.parse_args(argv)
+
+
+def gemm_rate(m: int, k: int, n: int, repeats: int = 3) -> float:
+    """Best FLOP/s of an (m x k) @ (k x n) fp32 matmul."""
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    a @ b  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * m * k * n / best
+
+
+def gemm_peak(config, tokens: int, rows: int) -> dict[str, float]:
+    h, f, e, v = (config.hidden_size, config.intermediate_size, config.output_embedding_size,
+                  config.vocab_size)
+    shapes = {"2048^3": (2048, 2048, 2048), f"QKVO {tokens}x{h}x{h}": (tokens, h, h),
+              f"FFN in {tokens}x{h}x{f}": (tokens, h, f),
+              f"FFN out {tokens}x{f}x{h}": (tokens, f, h),
+              f"logits chunk {rows}x{e}x{v // 8}": (rows, e, v // 8)}
+    return {name: gemm_rate(*shape) for name, shape in shapes.items()}
+
+
+def executed_flops(config, batch: int, predictions: int, full_head: bool) -> float:
+    """Matmul FLOPs of one training step: ours (pipeline_layer_flops: the head on its P slots
+    with the logits recomputed in backward) or hf's (its head on all positions, no
+    recomputation)."""
+    per_sequence = pipeline_layer_flops(config, SEQ, predictions, recompute=False)
+    if full_head:
+        h, e, v = config.hidden_size, config.output_embedding_size, config.vocab_size
+        per_sequence[-1] = 3 * 2 * SEQ * (h * e + e * v)
+    return batch * sum(per_sequence)
+
+
+def time_steps(model, loss_fn, batches) -> dict[str, float]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    fwd_bwd, opt = [], []
+    for i, batch in enumerate(batches):
+        optimizer.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        loss_fn(model, batch).backward()
+        middle = time.perf_counter()
+        optimizer.step()
+        end = time.perf_counter()
+        if i:  # the first step is a warm-up (allocations, optimizer state)
+            fwd_bwd.append(middle - start)
+            opt.append(end - middle)
+    fb, o = statistics.median(fwd_bwd), statistics.median(opt)
+    return {"step": fb + o, "forward+backward": fb, "optimizer": o}
+
+
+def head_loss_time(config, rows: int, repeats: int = 2) -> float:
+    """Our MLM head + fused loss alone, forward + backward on `rows` masked rows."""
+    from megatron_rembert.model.mlm_head import MLMHead
+
+    head = MLMHead(config)
+    hidden = torch.randn(rows, config.hidden_size, requires_grad=True)
+    labels = torch.randint(0, config.vocab_size, (rows,))
+    weights = torch.ones(rows)
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        head(hidden, labels, weights).loss_sum.backward()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    import transformers
+
+    from megatron_rembert.convert.hf import hf_config_dict, to_hf_state_dict
+
+    config = get_preset("rembert").replace(num_hidden_layers=args.layers)
+    predictions = default_max_predictions(SEQ)
+    tokens = args.batch * SEQ
+    batches = [make_batch(config, args.batch, SEQ, s, "cpu") for s in range(args.steps + 1)]
+    for b in batches:  # make_batch masks 15% (77 slots); the data pipeline's P is 80
+        assert b["masked_positions"].shape[1] <= predictions
+    peaks = gemm_peak(config, tokens, 128)
+    peak = max(peaks.values())
+
+    torch.manual_seed(0)
+    ours = RemBertForPreTraining(config)
+    ours.init_weights(0)
+    hf_state = to_hf_state_dict(ours.state_dict(), config)
+
+    def our_loss(model, b):
+        out = model(**b)
+        return out.loss_sum / out.num_tokens
+
+    def hf_loss(model, b):
+        return model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                     token_type_ids=b["token_type_ids"], labels=hf_labels(b)).loss
+
+    results = {"ours": time_steps(ours, our_loss, batches)}
+    rows = batches[0]["masked_positions"].numel()
+    loss_alone = head_loss_time(config, rows)
+    del ours
+    gc.collect()
+    hf = transformers.RemBertForMaskedLM(transformers.RemBertConfig(**hf_config_dict(config)))
+    hf.load_state_dict(hf_state)  # the same weights
+    del hf_state
+    results["hf"] = time_steps(hf, hf_loss, batches)
+    del hf
+
+    print(f"rembert shapes, {args.layers} layers, batch {args.batch} x {SEQ} tokens, "
+          f"{rows // args.batch} masked slots per sequence, fp32, {torch.get_num_threads()} "
+          "threads")
+    print("GEMM FLOP/s (fp32, best of 3): " + "; ".join(
+        f"{name} {rate / 1e9:.1f} G" for name, rate in peaks.items()))
+    print(f"{'model':<5} {'s/step':>7} {'fwd+bwd':>8} {'optimizer':>9} {'tokens/s':>9} "
+          f"{'GFLOP/step':>10} {'GFLOP/s':>8} {'of peak':>8} {'fwd+bwd of peak':>16}")
+    for name, r in results.items():
+        flops = executed_flops(config, args.batch, rows // args.batch, name == "hf")
+        print(f"{name:<5} {r['step']:7.2f} {r['forward+backward']:8.2f} {r['optimizer']:9.2f} "
+              f"{tokens / r['step']:9.1f} {flops / 1e9:10.1f} {flops / r['step'] / 1e9:8.1f} "
+              f"{flops / r['step'] / peak:8.1%} {flops / r['forward+backward'] / peak:16.1%}")
+    print(f"ratio ours / hf (tokens/s): {results['hf']['step'] / results['ours']['step']:.2f}x")
+    print(f"our loss alone (head + fused loss, forward + backward, {rows} rows): "
+          f"{loss_alone:.2f} s = {loss_alone / results['ours']['forward+backward']:.0%} of our "
+          f"forward + backward; the optimizer is "
+          f"{results['ours']['optimizer'] / results['ours']['step']:.0%} of our step")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
