@@ -90,6 +90,19 @@ def find_latest(save_dir: str | Path) -> Path | None:
                               "'latest' at a complete step_* folder or remove it") from err
 
 
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A complete step folder: `path` itself, or the folder `latest` names when `path` is a
+    save folder (train.save_dir, or the --out of a conversion)."""
+    path = Path(path)
+    if path.is_dir() and not (path / META).exists():
+        if (path / LATEST).exists():
+            return find_latest(path)
+        if any(path.glob("step_*")):
+            raise CheckpointError(f"{path}: a save folder without '{LATEST}' (no save has "
+                                  "completed); name one of its complete step_* folders")
+    return check_step_dir(path)
+
+
 # -- integrity ----------------------------------------------------------------------------
 def _listed_files(folder: Path) -> list[str]:
     """Every file of the folder the manifest must cover (relative paths, sorted)."""

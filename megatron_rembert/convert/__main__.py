@@ -13,33 +13,52 @@ from megatron_rembert.checkpoint import CheckpointError
 from megatron_rembert.config import ConfigError
 from megatron_rembert.convert.files import ConvertError
 
+DESCRIPTION = ("Convert checkpoints to and from transformers RemBERT folders, and between "
+               "TP x PP layouts. Every command writes into a temporary folder next to --out "
+               "and renames it at the end; a non-empty --out is refused unless --force. "
+               "See docs/convert.md.")
+CHECKPOINT_HELP = ("a step_XXXXXXXX folder, or a save folder (train.save_dir, or the --out of "
+                   "from-hf/reshard): the checkpoint its 'latest' names")
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m megatron_rembert.convert",
-                                     description=__doc__.splitlines()[0])
+                                     description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("to-hf", help="checkpoint -> transformers RemBertForMaskedLM folder")
-    p.add_argument("--checkpoint", required=True, help="a step_XXXXXXXX folder")
-    p.add_argument("--out", required=True)
-    p.add_argument("--tokenizer", help="SentencePiece .model (default: the one in meta.json)")
-    p = sub.add_parser("export-encoder", help="checkpoint -> transformers RemBertModel folder "
-                       "(no MLM head, no output embedding)")
-    p.add_argument("--checkpoint", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--tokenizer")
-    p = sub.add_parser("from-hf", help="transformers RemBERT folder -> weights-only checkpoint")
-    p.add_argument("--model", required=True, help="folder with config.json and weights")
+
+    def command(name: str, text: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=text, description=text + ".")
+
+    p = command("to-hf", "checkpoint -> transformers RemBertForMaskedLM folder (weights, "
+                "config.json, tokenizer files)")
+    p.add_argument("--checkpoint", required=True, help=CHECKPOINT_HELP)
+    p.add_argument("--out", required=True, help="the folder to write")
+    p.add_argument("--tokenizer", help="SentencePiece .model (default: data.tokenizer recorded "
+                   "in the checkpoint's meta.json)")
+    p = command("export-encoder", "checkpoint -> transformers RemBertModel folder (the encoder "
+                "for fine-tuning: no MLM head, no output embedding)")
+    p.add_argument("--checkpoint", required=True, help=CHECKPOINT_HELP)
+    p.add_argument("--out", required=True, help="the folder to write")
+    p.add_argument("--tokenizer", help="SentencePiece .model (default: data.tokenizer recorded "
+                   "in the checkpoint's meta.json)")
+    p = command("from-hf", "transformers RemBERT folder -> weights-only checkpoint to start "
+                "training from (step 0)")
+    p.add_argument("--model", required=True, help="folder with config.json and "
+                   "model.safetensors (or pytorch_model.bin)")
     p.add_argument("--out", required=True, help="a train.save_dir to resume from")
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size to check the model "
+                   "against (default 1; the trainer loads any layout)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to check the model "
+                   "against (default 1)")
     p.add_argument("--config", help="training YAML the model must agree with (optional)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a key of --config, as train.py --set (repeatable)")
     p.add_argument("--seed", type=int, help="seed for a missing MLM head (default train.seed)")
-    p = sub.add_parser("reshard", help="checkpoint -> any TP x PP x DP, optimizer included")
-    p.add_argument("--checkpoint", required=True)
+    p = command("reshard", "checkpoint -> another TP x PP (any DP), optimizer state included")
+    p.add_argument("--checkpoint", required=True, help=CHECKPOINT_HELP)
     p.add_argument("--out", required=True, help="a train.save_dir to resume from")
-    p.add_argument("--tp", type=int, required=True)
-    p.add_argument("--pp", type=int, required=True)
+    p.add_argument("--tp", type=int, help="tensor-parallel size (default: the checkpoint's)")
+    p.add_argument("--pp", type=int, help="pipeline-parallel size (default: the checkpoint's)")
     p.add_argument("--weights-only", action="store_true", help="drop the optimizer state")
     p = sub.add_parser("average", help="the mean weights of several checkpoints -> a "
                        "weights-only checkpoint (fresh optimizer on resume)",

@@ -1,7 +1,8 @@
 """Outputs of a conversion: errors, where --out may be, and atomic output folders.
 
 - `staged_output` writes into a hidden folder next to the output and renames it at the end:
-  an error or a kill leaves no half-written output.
+  an error or a kill leaves no half-written output. The folder gets the mode `mkdir` would
+  give (the user's umask), not mkdtemp's 0700, so a cluster group can read the export.
 - `check_out_apart` keeps --out away from the checkpoint's own save folder.
 Reading and writing tensors (safetensors, guarded torch loads) is megatron_rembert/checkpoint.
 """
@@ -32,6 +33,13 @@ def check_out_apart(out: str | Path, checkpoint: str | Path) -> None:
                            f"{save_dir}; write the conversion to a separate folder")
 
 
+def current_umask() -> int:
+    """The process's umask (read by setting it, the only way, and restoring it at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 @contextmanager
 def staged_output(out: str | Path, force: bool) -> Iterator[Path]:
     """Yield a temporary folder next to `out`; on success it replaces `out`.
@@ -46,6 +54,7 @@ def staged_output(out: str | Path, force: bool) -> Iterator[Path]:
             raise ConvertError(f"--out {out}: folder is not empty; pass --force to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    tmp.chmod(0o777 & ~current_umask())
     try:
         yield tmp
     except BaseException:

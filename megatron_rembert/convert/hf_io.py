@@ -12,6 +12,7 @@ from megatron_rembert.checkpoint.files import (
     safe_open_checked,
     torch_load_weights,
 )
+from megatron_rembert.checkpoint.folder import resolve_checkpoint
 from megatron_rembert.checkpoint.portable import write_portable
 from megatron_rembert.checkpoint.reader import CheckpointReader
 from megatron_rembert.checkpoint.specs import ParamSpec, param_specs
@@ -36,6 +37,7 @@ def _count(specs: list[ParamSpec]) -> int:
 def export_hf(checkpoint: str, out: str, tokenizer: str | None, force: bool,
               encoder_only: bool = False, log=print) -> dict:
     """Write a transformers `RemBertForMaskedLM` (or, encoder_only, `RemBertModel`) folder."""
+    checkpoint = resolve_checkpoint(checkpoint)
     with CheckpointReader(checkpoint) as reader:
         check_out_apart(out, checkpoint)
         model = reader.model

@@ -3,8 +3,9 @@
 The output is a portable checkpoint (megatron_rembert/checkpoint/portable.py): full fp32
 master weights and Adam moments per pipeline layer, plus step counts, LR schedule and the data
 position (`consumed_samples`, a global count, so the DP size may change too). The trainer
-loads it at the layout its config asks for; `--tp/--pp` are checked against the model here, so
-a layout that cannot be built fails now rather than on the cluster.
+loads it at the layout its config asks for; `--tp/--pp` (each defaults to the checkpoint's) are
+checked against the model here, so a layout that cannot be built fails now rather than on the
+cluster.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_rembert.checkpoint.folder import resolve_checkpoint
 from megatron_rembert.checkpoint.portable import write_portable
 from megatron_rembert.checkpoint.reader import CheckpointReader
 from megatron_rembert.checkpoint.specs import param_specs
@@ -33,10 +35,14 @@ def check_layout(model: ModelConfig, tp: int, pp: int) -> None:
         raise ConvertError(f"--pp {pp}: a tied-embedding model needs pp=1")
 
 
-def reshard(checkpoint: str, out: str, tp: int, pp: int, force: bool,
+def reshard(checkpoint: str, out: str, tp: int | None, pp: int | None, force: bool,
             weights_only: bool = False, log=print) -> Path:
+    """`checkpoint`: a step folder or a save folder (its `latest`); tp/pp None: unchanged."""
+    checkpoint = resolve_checkpoint(checkpoint)
     with CheckpointReader(checkpoint) as reader:
         check_out_apart(out, checkpoint)
+        tp = reader.tp if tp is None else tp
+        pp = reader.pp if pp is None else pp
         check_layout(reader.model, tp, pp)
         weights_only = weights_only or reader.weights_only
         specs = param_specs(reader.model, 1)

@@ -10,6 +10,7 @@ refused, never run, even in a checkpoint that predates manifests.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -29,6 +30,8 @@ from megatron_rembert.checkpoint.reader import CheckpointReader
 from megatron_rembert.parallel import comm
 from megatron_rembert.parallel import random as tp_random
 from megatron_rembert.parallel.layout import Layout
+from megatron_rembert.run_config import Config
+from megatron_rembert.training.optim import lr_lambda
 from megatron_rembert.training.portable import load_full_tensors, load_portable
 
 RECORDS = ".hashes"  # per-rank hashes of one save, merged into manifest.json by rank 0
@@ -176,6 +179,59 @@ def check_layout(folder: Path, meta: dict, layout: Layout) -> str:
         f"parallel.zero_stage=0, whose optimizer files cannot be re-cut; this run is tp={tp} "
         f"pp={pp}. Resume at the saved tp and pp, or keep the weights only: "
         f"{reshard_command(folder, tp, pp)}")
+
+
+# What shapes the LR schedule (training/optim.py: lr_lambda), as (section, key).
+SCHEDULE_KEYS = (("train", "steps"), ("optim", "lr"), ("optim", "warmup_steps"),
+                 ("optim", "decay"), ("optim", "decay_start_step"), ("optim", "min_lr"))
+
+
+def data_position(consumed_samples: int, global_batch_size: int) -> int:
+    """Where the data resumes: the first multiple of the global batch at or after
+    `consumed_samples` (the stream is indexed by samples; see data/sampler.py)."""
+    return -(-consumed_samples // global_batch_size) * global_batch_size
+
+
+def resume_notices(folder: Path, meta: dict, config: Config) -> list[str]:
+    """What changes when `config` resumes the checkpoint (`meta`) with another global batch
+    size or another LR schedule: one line each, for rank 0 to print. A weights-only checkpoint
+    (a conversion) starts from step 0 with a fresh schedule: nothing to say."""
+    if meta.get("weights_only"):
+        return []
+    notices, saved = [], meta["config"]
+    step, consumed = int(meta["step"]), int(meta["consumed_samples"])
+    old_batch, batch = saved["train"]["global_batch_size"], config.train.global_batch_size
+    if old_batch != batch:
+        position = data_position(consumed, batch)
+        where = (f"the data continues at sample {consumed}" if position == consumed else
+                 f"{consumed} is not a multiple of {batch}: the data continues at sample "
+                 f"{position}, skipping {position - consumed} samples")
+        notices.append(
+            f"{folder}: train.global_batch_size {old_batch} -> {batch}; {consumed} samples "
+            f"consumed in {step} steps, {where}. Steps continue from {step} with {batch} "
+            f"samples each; the data schedules (data.phase_starts, data.language_start) count "
+            f"a step as {batch} samples from the start")
+    changed = [(section, key, saved.get(section, {}).get(key), getattr(getattr(config, section),
+                                                                        key))
+               for section, key in SCHEDULE_KEYS]
+    changed = [c for c in changed if c[2] is not None and c[2] != c[3]]
+    if changed:
+        before = copy.deepcopy(config)
+        for section, key, value, _ in changed:
+            setattr(getattr(before, section), key, value)
+        base = before.optim.lr  # the restored scheduler keeps the checkpoint's base rate
+        # The optimizer's restored LR is the checkpoint's for one more step; the scheduler's
+        # next step applies the new shape.
+        lr_then = base * lr_lambda(before)(step)
+        lr_next = base * lr_lambda(config)(step + 1)
+        what = ", ".join(f"{s}.{k} {a} -> {b}" for s, k, a, b in changed)
+        notices.append(
+            f"{folder}: the LR schedule changes shape ({what}); step {step + 1} trains at the "
+            f"checkpoint's LR {lr_then:.4g}, step {step + 2} at {lr_next:.4g} and the "
+            "following steps on the new schedule"
+            + (f"; optim.lr is not applied on resume: the restored scheduler keeps the "
+               f"checkpoint's base rate {base:g}" if before.optim.lr != config.optim.lr else ""))
+    return notices
 
 
 def load_checkpoint(engine, folder: Path, how: str = "same") -> ResumeState:

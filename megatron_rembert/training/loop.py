@@ -171,12 +171,6 @@ def _find_resume(config: Config, meta_now: dict, layout: Layout) -> tuple[Path |
         raise ckpt.CheckpointError(
             f"{folder}: the checkpoint's model differs from the config in {changed}; resume "
             "with the same model or use a different train.save_dir")
-    if (not meta.get("weights_only")  # a converted model: any batch size, from step 0
-            and meta["config"]["train"]["global_batch_size"] != config.train.global_batch_size):
-        raise ckpt.CheckpointError(
-            f"{folder}: trained with train.global_batch_size="
-            f"{meta['config']['train']['global_batch_size']}, the config says "
-            f"{config.train.global_batch_size}")
     for key, flag in (("tokenizer_sha256", "data.tokenizer"), ("dataset_sha256", "data.path")):
         saved, now = meta.get(key), meta_now.get(key)
         if saved and now and saved != now:
@@ -184,7 +178,11 @@ def _find_resume(config: Config, meta_now: dict, layout: Layout) -> tuple[Path |
                 f"{folder} was trained with {key} {saved[:12]}..., {flag}="
                 f"{getattr(config.data, flag.split('.')[1])} has {now[:12]}...; resume with the "
                 f"checkpoint's {flag} or use a different train.save_dir")
-    return folder, ckpt.check_layout(folder, meta, layout)
+    how = ckpt.check_layout(folder, meta, layout)
+    if comm.rank() == 0:  # another global batch size or LR schedule: allowed, said once
+        for notice in ckpt.resume_notices(folder, meta, config):
+            print(notice, flush=True)
+    return folder, how
 
 
 def train(config: Config, stop: StopFlag | None = None) -> dict:
@@ -234,7 +232,8 @@ def _train(config: Config, rank: int, world: int, device: torch.device, stop: St
     step, consumed = 0, 0
     if resume_folder is not None:
         resumed = ckpt.load_checkpoint(trainer.engine, resume_folder, how)
-        step, consumed = resumed.step, resumed.consumed_samples
+        step = resumed.step
+        consumed = ckpt.data_position(resumed.consumed_samples, config.train.global_batch_size)
         log.console(f"resumed from {resume_folder} (step {step}, {consumed} samples consumed)")
     train_cfg, data = config.train, config.data
     loader = build_pretraining_loader(data, layout, seed=train_cfg.seed, tokenizer_sha256=sha,

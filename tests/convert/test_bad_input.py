@@ -8,21 +8,8 @@ import pytest
 import torch
 
 from megatron_rembert.convert.__main__ import main
-from megatron_rembert.convert.hf import hf_config_dict
-from tests.model.helpers import small_config
 
-transformers = pytest.importorskip("transformers")
-
-
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hf")
-    torch.manual_seed(0)
-    model = transformers.RemBertForMaskedLM(
-        transformers.RemBertConfig(**hf_config_dict(small_config())))
-    model.save_pretrained(root / "hf")
-    assert main(["from-hf", "--model", str(root / "hf"), "--out", str(root / "ckpt")]) == 0
-    return root
+pytest.importorskip("transformers")  # the hf_dir fixture (conftest.py)
 
 
 def _fails(args, capsys, *expected):

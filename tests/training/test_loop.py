@@ -169,10 +169,12 @@ def test_lamb_resume_matches_uninterrupted(tmp_path, tiny_dataset):
         assert resumed[step] == pytest.approx(loss, rel=1e-6), f"step {step}"
 
 
-def test_resume_refuses_other_owner_and_data_then_continues_at_another_dp(
-        tmp_path, tiny_dataset, uninterrupted):
-    """Saved by 2 ranks at step 6: a live lock holder, another dataset (same tokenizer) and
-    another tokenizer are refused in one line; one rank (dp 2 -> 1) then continues directly."""
+def test_resume_refuses_other_owner_and_data_then_continues_at_another_dp_and_batch(
+        tmp_path, tiny_dataset, uninterrupted, capsys):
+    """Saved by 2 ranks at step 6 (48 samples): a live lock holder, another dataset (same
+    tokenizer) and another tokenizer are refused in one line; one rank (dp 2 -> 1) then
+    continues directly with a global batch of 10 (48 is no multiple: the data skips to sample
+    50) and train.steps 6 -> 8 (the 1-sqrt decay reshaped), each said in a notice."""
     from megatron_rembert.checkpoint import CheckpointError
     from megatron_rembert.run_config import load_config, validate_config
     from megatron_rembert.training import loop
@@ -180,7 +182,8 @@ def test_resume_refuses_other_owner_and_data_then_continues_at_another_dp(
     _, _, saved = uninterrupted
     shutil.copytree(saved, tmp_path / "ckpt")
     data, tokenizer = tiny_dataset
-    sets = overrides(tmp_path, data, tokenizer, **{"train.steps": STEPS + 2})
+    sets = overrides(tmp_path, data, tokenizer, **{"train.steps": STEPS + 2,
+                                                   "train.global_batch_size": 10})
     lock = tmp_path / "ckpt" / ".lock"
     lock.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
     with pytest.raises(CheckpointError, match=rf"is in use by pid {os.getpid()}"):
@@ -200,10 +203,21 @@ def test_resume_refuses_other_owner_and_data_then_continues_at_another_dp(
         (tmp_path / "ckpt" / "step_00000006" / "meta.json").read_text())["tokenizer_sha256"]
     with pytest.raises(CheckpointError, match=rf"dataset_sha256 .*data.path={other}"):
         loop._find_resume(config, meta, layout)
+    config = load_config("configs/tiny.yaml", sets)
+    layout = validate_config(config, 1)
+    meta = json.loads((tmp_path / "ckpt" / "step_00000006" / "meta.json").read_text())
+    folder, _ = loop._find_resume(config, {**meta, "config": config.to_dict()}, layout)
+    notices = capsys.readouterr().out
+    assert ("train.global_batch_size 8 -> 10; 48 samples consumed in 6 steps, 48 is not a "
+            "multiple of 10: the data continues at sample 50, skipping 2 samples") in notices
+    assert ("the LR schedule changes shape (train.steps 6 -> 8); step 7 trains at the "
+            "checkpoint's LR 0, step 8 at 0.0002679 and") in notices
     assert run_distributed(_train, 1, sets) == [STEPS + 2]
-    resumed = losses(tmp_path / "logs")
+    resumed = rows(tmp_path / "logs")
     assert sorted(resumed) == [STEPS + 1, STEPS + 2]
-    assert all(math.isfinite(v) for v in resumed.values())
+    assert [r["consumed_samples"] for r in resumed.values()] == [60, 70]
+    assert [r["lr"] for r in resumed.values()] == pytest.approx([0, 2.679e-4], rel=1e-3)
+    assert all(math.isfinite(r["loss"]) for r in resumed.values())
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == f"step_{STEPS + 2:08d}"
 
 
