@@ -103,29 +103,6 @@ def parameter_balanced_boundaries(config: Config, pp: int) -> list[int]:
     return list(partition_balanced(weights=pipeline_layer_costs(config.model), num_parts=pp))
 
 
-def check_checkpoint_stages(folder: str, saved: list[int] | None, config: Config,
-                            layout: Layout, current: list[int] | None = None) -> None:
-    """Refuse to resume a pipeline checkpoint whose stages differ from this run's.
-
-    `saved`: the boundaries the checkpoint's meta recorded (`Trainer.stage_boundaries`), None
-    for checkpoints of earlier versions, which split stages by parameters. Each stage's
-    optimizer state holds the parameters of its layers, so only the same split can load it;
-    the weights (one file per layer) and `convert reshard` (it reads layers by their global
-    index) do not depend on it."""
-    if layout.pp == 1:
-        return
-    current = current or stage_plan(config, layout).boundaries
-    if saved is None:
-        saved = parameter_balanced_boundaries(config, layout.pp)
-    if list(saved) != list(current):
-        raise ValueError(
-            f"{folder}: saved with pipeline stages {list(saved)} (layer boundaries), this run "
-            f"splits them as {list(current)}; each stage's optimizer state only fits its own "
-            f"split. Convert it first: python -m megatron_rembert.convert reshard --checkpoint "
-            f"{folder} --out RESHARDED --tp {layout.tp} --pp {layout.pp}, then resume with "
-            "train.save_dir=RESHARDED")
-
-
 def memory_estimate(config: Config, layout: Layout) -> dict:
     """Bytes per rank on the pipeline stage that needs the most memory (see `stage_plan`)."""
     plan = stage_plan(config, layout)

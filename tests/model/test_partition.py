@@ -7,7 +7,6 @@ import pytest
 from megatron_rembert.model.partition import balance_stages, one_f_one_b_efficiency
 from megatron_rembert.run_config import load_config, validate_config
 from megatron_rembert.training.estimate import (
-    check_checkpoint_stages,
     dry_run_report,
     parameter_balanced_boundaries,
     stage_plan,
@@ -106,15 +105,18 @@ def test_dry_run_prints_the_stage_table():
     assert "stage 1: layers 19-31 + MLM head" in report
 
 
-def test_checkpoint_with_other_stages_is_refused_with_a_reshard_command():
+def test_a_checkpoint_of_another_split_is_read_as_full_tensors():
+    """Resuming at the same tp x pp but another stage split (a checkpoint of an earlier version
+    records none: DeepSpeed's parameter balance) takes the full-tensor path."""
+    from megatron_rembert.training.loop import other_stage_split
+
     config, layout = _rembert(2)
     current = stage_plan(config, layout).boundaries
-    check_checkpoint_stages("ckpt/step_10", current, config, layout)  # same split: loads
     old = parameter_balanced_boundaries(config, 2)
     assert old != current
-    for saved in (None, old):  # an earlier version's checkpoint records no boundaries
-        with pytest.raises(ValueError, match=r"convert reshard --checkpoint ckpt/step_10 "
-                                             r"--out RESHARDED --tp 2 --pp 2"):
-            check_checkpoint_stages("ckpt/step_10", saved, config, layout)
+    meta = {"layout": layout.sizes(), "stage_boundaries": current}
+    assert other_stage_split(meta, config, layout, current) is None
+    assert other_stage_split({"layout": layout.sizes()}, config, layout, current) == old
+    assert other_stage_split({**meta, "stage_boundaries": old}, config, layout, current) == old
     one, single = _rembert(1)
-    check_checkpoint_stages("ckpt/step_10", None, one, single)  # pp = 1: nothing to split
+    assert other_stage_split({"layout": single.sizes()}, one, single, None) is None
