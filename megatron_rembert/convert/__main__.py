@@ -29,18 +29,16 @@ def build_parser() -> argparse.ArgumentParser:
     def command(name: str, text: str) -> argparse.ArgumentParser:
         return sub.add_parser(name, help=text, description=text + ".")
 
-    p = command("to-hf", "checkpoint -> transformers RemBertForMaskedLM folder (weights, "
-                "config.json, tokenizer files)")
-    p.add_argument("--checkpoint", required=True, help=CHECKPOINT_HELP)
-    p.add_argument("--out", required=True, help="the folder to write")
-    p.add_argument("--tokenizer", help="SentencePiece .model (default: data.tokenizer recorded "
-                   "in the checkpoint's meta.json)")
-    p = command("export-encoder", "checkpoint -> transformers RemBertModel folder (the encoder "
-                "for fine-tuning: no MLM head, no output embedding)")
-    p.add_argument("--checkpoint", required=True, help=CHECKPOINT_HELP)
-    p.add_argument("--out", required=True, help="the folder to write")
-    p.add_argument("--tokenizer", help="SentencePiece .model (default: data.tokenizer recorded "
-                   "in the checkpoint's meta.json)")
+    for name, text in (
+            ("to-hf", "checkpoint -> transformers RemBertForMaskedLM folder (weights, "
+                      "config.json, tokenizer files)"),
+            ("export-encoder", "checkpoint -> transformers RemBertModel folder (the encoder "
+                               "for fine-tuning: no MLM head, no output embedding)")):
+        p = command(name, text)
+        p.add_argument("--checkpoint", required=True, help=CHECKPOINT_HELP)
+        p.add_argument("--out", required=True, help="the folder to write")
+        p.add_argument("--tokenizer", help="SentencePiece .model (default: data.tokenizer "
+                       "recorded in the checkpoint's meta.json)")
     p = command("from-hf", "transformers RemBERT folder -> weights-only checkpoint to start "
                 "training from (step 0)")
     p.add_argument("--model", required=True, help="folder with config.json and "

@@ -95,15 +95,18 @@ def check_shard_files(data_dir: Path, entries: list[dict]) -> None:
     manifest records. Costs one stat per shard: run at start-up for both splits, so that a
     missing validation shard is not found at the first validation, hours in."""
     for entry in entries:
-        path = data_dir / entry["file"]
-        if not path.is_file():
-            raise DataError(f"shard {path} listed in the manifest is missing; restore it or "
-                            "re-run preprocess.py into a new folder.")
-        size = path.stat().st_size
-        if size != entry["bytes"]:
-            raise DataError(f"shard {path} has {size} bytes, the manifest says "
-                            f"{entry['bytes']} (truncated or modified); re-create it with "
-                            "preprocess.py.")
+        _check_present(data_dir / entry["file"], entry)
+
+
+def _check_present(path: Path, entry: dict) -> None:
+    """The shard exists and has the size its manifest entry records."""
+    if not path.is_file():
+        raise DataError(f"shard {path} listed in the manifest is missing; restore it or re-run "
+                        "preprocess.py into a new folder.")
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        raise DataError(f"shard {path} has {size} bytes, the manifest says {entry['bytes']} "
+                        "(truncated or modified); re-create it with preprocess.py.")
 
 
 def check_sha256(path: Path, expected: str) -> None:
@@ -177,13 +180,7 @@ def read_shard_batches(path: str | os.PathLike, mmap: bool = True
 
 def open_shard(path: Path, entry: dict, seq_length: int) -> np.ndarray:
     """Memory-map one shard and return its ids as a zero-copy [rows, S] int32 view."""
-    if not path.is_file():
-        raise DataError(f"shard {path} listed in the manifest is missing; restore it or re-run "
-                        "preprocess.py into a new folder.")
-    size = path.stat().st_size
-    if size != entry["bytes"]:
-        raise DataError(f"shard {path} has {size} bytes, the manifest says {entry['bytes']} "
-                        "(truncated or modified); re-create it with preprocess.py.")
+    _check_present(path, entry)
     try:
         schema, batches = read_shard_batches(path)
         if schema != arrow_schema(seq_length) or len(batches) != 1:
