@@ -85,8 +85,11 @@ class ProgressBar:
         self._last = now
         frac = min(self.done / self.total, 1.0)
         bar = "#" * int(frac * 30)
-        rate = self.done / max(now - self.start, 1e-9) / 1e6
-        line = f"{self.label} [{bar:<30}] {100 * frac:5.1f}% {rate:6.1f} MB/s {self.note}"
+        elapsed = now - self.start
+        rate = self.done / max(elapsed, 1e-9)
+        eta = _clock((self.total - self.done) / rate) if rate > 0 else "?"
+        line = (f"{self.label} [{bar:<30}] {100 * frac:5.1f}% {rate / 1e6:6.1f} MB/s "
+                f"elapsed {_clock(elapsed)} eta {eta} {self.note}")
         sys.stderr.write(f"\r{line}\x1b[K" if self.tty else line + "\n")
         sys.stderr.flush()
 
@@ -94,6 +97,11 @@ class ProgressBar:
         self.update(self.done, self.note, force=True)
         if self.tty:
             sys.stderr.write("\n")
+
+
+def _clock(seconds: float) -> str:
+    minutes, sec = divmod(int(max(seconds, 0)), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{sec:02d}"
 
 
 def format_table(header: list[str], rows: list[list[Any]]) -> str:

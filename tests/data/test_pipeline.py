@@ -109,3 +109,18 @@ def test_packer_rows():
     q.flush_partial()
     np.testing.assert_array_equal(q.take(5), [[2, 10, 11, 12, 13, 14, 3, 0],
                                               [2, 20, 21, 3, 0, 0, 0, 0]])
+
+
+def test_progress_bar_shows_elapsed_and_eta_in_a_log_file(monkeypatch, capsys):
+    """Not a terminal (a SLURM log): one plain line per redraw, with elapsed time and the ETA
+    from the mean rate so far."""
+    from megatron_rembert.data import common
+
+    now = [100.0]
+    monkeypatch.setattr(common.time, "monotonic", lambda: now[0])
+    bar = common.ProgressBar(total=4_000_000, label="preprocess")
+    now[0] += 90.0  # a quarter of the bytes in 1.5 min: 4.5 min to go
+    bar.update(1_000_000, force=True)
+    line = capsys.readouterr().err
+    assert line.endswith("\n") and "\r" not in line
+    assert " 25.0% " in line and "elapsed 0:01:30 eta 0:04:30" in line, line
