@@ -26,8 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, epilog=config_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="YAML file with model/parallel/data/optim/train "
-                        "sections (configs/*.yaml)")
+    parser.add_argument("--config", help="YAML file with model/parallel/data/optim/train/"
+                        "eval sections (configs/*.yaml)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override one key, repeatable: --set train.steps=20 "
                         "--set parallel.tp=2 (keys listed below)")
