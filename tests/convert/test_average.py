@@ -14,7 +14,7 @@ from megatron_rembert.convert.__main__ import main
 from tests.convert.workers import GLOBAL_BATCH, MICRO, overrides
 from tests.distributed import run_distributed
 from tests.model.helpers import random_batch
-from tests.training.helpers import SEQ, micro_batches
+from tests.training.helpers import SEQ, micro_batches, split_micro
 
 TINY = {"preset": "tiny"}
 
@@ -51,8 +51,7 @@ def train_average_resume_worker(rank, world_size, root: str, batch: dict) -> dic
     folder = ckpt.find_latest(f"{root}/avg")
     resumed = ckpt.load_checkpoint(trainer.engine, folder,
                                    ckpt.check_layout(folder, ckpt.read_meta(folder), layout))
-    micro = [{k: v[i:i + MICRO] for k, v in batch.items()}
-             for i in range(0, len(batch["input_ids"]), MICRO)]
+    micro = split_micro(batch, MICRO)
     loss = trainer.eval_step(micro)[0]
     resumed_lr = trainer.train_step(micro_batches(resumed.step, GLOBAL_BATCH, MICRO, s.dp_rank,
                                                   layout.dp, config.model.vocab_size)).lr

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from tests.training.helpers import SEQ, micro_batches
+from tests.training.helpers import SEQ, micro_batches, split_micro
 
 GLOBAL_BATCH, MICRO = 8, 2
 
@@ -66,6 +66,5 @@ def eval_worker(rank, world_size, model: dict, over: list[str], load: str, batch
     state.initialize_model_parallel(layout)
     trainer = Trainer(config, layout, torch.device("cpu"))
     ckpt.load_checkpoint(trainer.engine, Path(load), how="full")
-    micro = [{k: v[i:i + MICRO] for k, v in batch.items()}
-             for i in range(0, len(batch["input_ids"]), MICRO)]
+    micro = split_micro(batch, MICRO)
     return trainer.eval_step(micro)[0]

@@ -40,6 +40,16 @@ def micro_batches(step: int, global_batch: int, micro: int, dp_rank: int, dp: in
             for b in batches]
 
 
+def split_micro(batch: dict[str, torch.Tensor], micro: int) -> list[dict[str, torch.Tensor]]:
+    """A batch of model inputs cut into micro-batches of `micro` rows, each with the loader's
+    `unpadded` flag."""
+    out = []
+    for i in range(0, len(batch["input_ids"]), micro):
+        b = {k: v[i:i + micro] for k, v in batch.items()}
+        out.append({**b, "unpadded": torch.from_numpy(unpadded_flag(b["attention_mask"].numpy()))})
+    return out
+
+
 STEPS = 5
 GLOBAL_BATCH, MICRO = 8, 2
 
