@@ -195,7 +195,7 @@ def trainer_throughput(preset: str, micro: int, gas: int, seq: int, steps: int) 
     from megatron_rembert.parallel import state
     from megatron_rembert.run_config import load_config, validate_config
     from megatron_rembert.training.engine import Trainer
-    from megatron_rembert.training.estimate import memory_estimate
+    from megatron_rembert.training.estimate import MEMORY_KEYS, memory_estimate
     from megatron_rembert.training.loop import setup_distributed
     from megatron_rembert.training.metrics import memory_gib, peak_flops
 
@@ -219,8 +219,7 @@ def trainer_throughput(preset: str, micro: int, gas: int, seq: int, steps: int) 
     estimate = memory_estimate(config, layout)
     return {"tokens_per_s": tokens_per_s, "tflops": tflops,
             "mfu": tflops * 1e12 / peak if peak else None, "memory_gib": memory_gib(device),
-            "estimate_gib": {k: estimate[k] / 2**30 for k in
-                             ("parameters", "gradients", "optimizer_states", "activations")}}
+            "estimate_gib": {k: estimate[k] / 2**30 for k in MEMORY_KEYS}}
 
 
 def gpu_trainer(args) -> None:

@@ -47,6 +47,9 @@ class ParallelConfig:
     zero_stage: int = 1  # ZeRO stage 1 or 2; 0 only for fp32 with pp = 1; pp > 1 needs 1
     ds_config: str = ""  # JSON with further DeepSpeed knobs (buckets, loss scaler); optional
     activation_checkpointing: bool = False  # recompute each Transformer layer in backward
+    # Each pipeline stage's estimated memory per rank stays under this many GiB (0 = no cap);
+    # within it, stages are balanced by FLOPs (`--dry-run` prints the split)
+    stage_memory_gib: float = 0.0
     # A collective waiting longer than this fails, naming each rank's step and instruction
     timeout_minutes: float = 10.0
     # auto: nccl on GPUs, gloo on CPUs; gloo on GPUs lets several ranks share one GPU (checks)
@@ -128,6 +131,7 @@ RANGES: dict[str, Range] = {
     "parallel.pp": AT_LEAST_1,
     "parallel.zero_stage": Range(0, 2),
     "parallel.timeout_minutes": POSITIVE,
+    "parallel.stage_memory_gib": AT_LEAST_0,
     "data.seq_length": Range(3),  # [CLS], one token, [SEP]
     "data.alpha": Range(0.0, 1.0),
     "data.mask_prob": Range(0.0, 1.0, low_open=True, high_open=True),

@@ -25,7 +25,7 @@ from megatron_rembert.checkpoint import CheckpointError
 from megatron_rembert.checkpoint.atomic import HashingFile
 
 # safetensors dtype names (the format's own spelling).
-_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
               torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.int8: "I8",
               torch.uint8: "U8", torch.bool: "BOOL"}
 
@@ -42,10 +42,10 @@ class SafetensorsWriter:
         offset = 0
         self._expected: list[tuple[str, torch.dtype, tuple]] = []
         for name, dtype, shape in entries:
-            if dtype not in _ST_DTYPES:
+            if dtype not in ST_DTYPES:
                 raise CheckpointError(f"{path}: cannot write {name} of dtype {dtype}")
             size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-            header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape),
+            header[name] = {"dtype": ST_DTYPES[dtype], "shape": list(shape),
                             "data_offsets": [offset, offset + size]}
             offset += size
             self._expected.append((name, dtype, tuple(shape)))

@@ -186,9 +186,9 @@ def prune(save_dir: Path, keep_last: int) -> None:
 
 def roll_back(save_dir: Path, target: Path) -> list[Path] | None:
     """Make `target` (a complete step folder of `save_dir`) current; every newer step folder
-    is moved into `save_dir/rolled_back/<time>_to_<name>/`, not deleted. Returns them, or None
-    when a roll-back to `target` was done before: a restart (a requeued job) with the same
-    setting must not undo the progress made since."""
+    is moved into `save_dir/rolled_back/<time>_to_<name>/`, not deleted. Returns where they
+    went, or None when a roll-back to `target` was done before: a restart (a requeued job)
+    with the same setting must not undo the progress made since."""
     target = check_step_dir(target).resolve()
     save_dir = Path(save_dir).resolve()
     if target.parent != save_dir:
@@ -203,4 +203,4 @@ def roll_back(save_dir: Path, target: Path) -> list[Path] | None:
     for p in newer:
         os.replace(p, aside / p.name)
     atomic_write(save_dir / LATEST, lambda f: f.write(target.name + "\n"), binary=False)
-    return newer
+    return [aside / p.name for p in newer]

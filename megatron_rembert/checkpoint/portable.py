@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from megatron_rembert.checkpoint import CheckpointError
-from megatron_rembert.checkpoint.files import SafetensorsWriter, safe_open_checked
+from megatron_rembert.checkpoint.files import ST_DTYPES, SafetensorsWriter, safe_open_checked
 from megatron_rembert.checkpoint.folder import commit, step_tag
 from megatron_rembert.checkpoint.specs import ParamSpec, shard
 
@@ -103,6 +103,10 @@ class PortableReader:
 
     def full(self, key: str) -> torch.Tensor:
         return self._file(key).get_tensor(key)
+
+    def dtype(self, key: str) -> torch.dtype:
+        name = self._file(key).get_slice(key).get_dtype()
+        return next(dt for dt, st in ST_DTYPES.items() if st == name)
 
     def local_shard(self, key: str, spec: ParamSpec, tp: int, tp_rank: int) -> torch.Tensor:
         """This TP rank's slice of the stored full tensor `key`, shaped like `spec`'s shard."""

@@ -58,6 +58,7 @@ class CheckpointReader:
         self.portable = is_portable(self.meta)
         self.weights_only = bool(self.meta.get("weights_only", False))
         self.specs = param_specs(self.model, 1 if self.portable else self.tp)
+        self._by_name = {s.name: s for s in self.specs}
         self._files: dict[Path, object] = {}
         self._optim_index: dict[tuple[int, str], list] | None = None
         self._allowed = deepspeed_safe_globals() if not self.portable else []
@@ -84,10 +85,24 @@ class CheckpointReader:
             raise CheckpointError(f"{path}: no tensor {inner}")
         return tensors[inner]
 
+    def weight_dtype(self, spec: ParamSpec) -> torch.dtype:
+        """The dtype `full_weight` returns, read without merging (or touching) the tensor."""
+        if self._portable is not None:
+            return self._portable.dtype(spec.name)
+        return self._weight_shard(spec, 0).dtype
+
+    def _own(self, spec: ParamSpec) -> ParamSpec:
+        """The spec of `spec`'s parameter at this checkpoint's TP size: the vocabulary padding
+        of the stored shards depends on it (a caller's spec may be for another TP size)."""
+        if spec.name not in self._by_name:
+            raise CheckpointError(f"{self.folder}: no parameter {spec.name}")
+        return self._by_name[spec.name]
+
     def full_weight(self, spec: ParamSpec) -> torch.Tensor:
         """The model weight as training holds it (its dtype), full, vocabulary stripped."""
         if self._portable is not None:
             return self._portable.full(spec.name)
+        spec = self._own(spec)
         return merge_shards([self._weight_shard(spec, r) for r in range(self.tp)], spec)
 
     # -- optimizer state ---------------------------------------------------------------
@@ -153,6 +168,7 @@ class CheckpointReader:
             return self._portable.full(spec.name if key == "fp32" else f"{key}/{spec.name}")
         if self._optim_index is None:
             self._optim_index = self._index_optimizer()
+        spec = self._own(spec)
         return merge_shards([self._state_shard(spec, r, key) for r in range(self.tp)], spec)
 
     def local_shard(self, key: str, spec: ParamSpec, tp: int, tp_rank: int) -> torch.Tensor:

@@ -45,14 +45,16 @@ def export_hf(checkpoint: str, out: str, tokenizer: str | None, force: bool,
         kept = [s for s in specs if not (encoder_only and s.name.startswith("mlm_head."))]
         spm_path = tokenizer or reader.meta["config"].get("data", {}).get("tokenizer")
         if spm_path:
-            check_tokenizer(Path(spm_path), model.vocab_size, reader.meta.get("tokenizer_sha256"))
+            data = reader.meta["config"].get("data", {})
+            check_tokenizer(Path(spm_path), model.vocab_size, reader.meta.get("tokenizer_sha256"),
+                            allow_fewer=bool(data.get("allow_larger_vocab", False)))
         else:
             log("no tokenizer given (--tokenizer) or recorded in the checkpoint: writing the "
                 "model only")
         by_name = {s.name: s for s in specs}
         entries = [(hf, by_name[name]) for hf, name in hf_names(
             [s.name for s in specs], model, encoder_only)]
-        dtypes = {s.name: reader.full_weight(s).dtype for _, s in entries}
+        dtypes = {s.name: reader.weight_dtype(s) for _, s in entries}
         with staged_output(out, force) as tmp:
             with SafetensorsWriter(tmp / "model.safetensors",
                                    [(n, dtypes[s.name], s.shape) for n, s in entries],

@@ -58,7 +58,7 @@ def reshard(checkpoint: str, out: str, tp: int | None, pp: int | None, force: bo
                 "source": str(reader.folder)}
         step = int(reader.meta["step"])
         if weights_only:
-            dtypes = {s.name: reader.full_weight(s).dtype for s in specs}
+            dtypes = {s.name: reader.weight_dtype(s) for s in specs}
             weight, state = reader.full_weight, None
         else:
             meta["optimizer"] = reader.optimizer_meta()

@@ -27,7 +27,10 @@ def _require_tokenizers() -> None:
                            f"library: {HF_EXTRA_HINT}") from err
 
 
-def check_tokenizer(path: Path, vocab_size: int, expected_sha: str | None) -> None:
+def check_tokenizer(path: Path, vocab_size: int, expected_sha: str | None,
+                    allow_fewer: bool = False) -> None:
+    """allow_fewer: the checkpoint was trained with data.allow_larger_vocab (a tokenizer with
+    fewer pieces than the model's vocabulary rows)."""
     _require_tokenizers()  # before any weight is converted
     if not path.is_file():
         raise ConvertError(f"--tokenizer {path}: no such file")
@@ -41,7 +44,7 @@ def check_tokenizer(path: Path, vocab_size: int, expected_sha: str | None) -> No
         size = spm.SentencePieceProcessor(model_file=str(path)).get_piece_size()
     except (RuntimeError, OSError) as err:
         raise ConvertError(f"--tokenizer {path}: not a SentencePiece model ({err})") from err
-    if size != vocab_size:
+    if size != vocab_size and not (allow_fewer and size < vocab_size):
         raise ConvertError(f"--tokenizer {path}: {size} pieces, the model's vocab_size is "
                            f"{vocab_size}")
 

@@ -18,6 +18,9 @@ class DataConfig:
     alpha: float = 0.5  # language sampling exponent (paper: 0.5); 1/temperature
     mask_prob: float = 0.15
     whole_word_mask: bool = False
+    # accept a dataset whose tokenizer has fewer pieces than model.vocab_size (the extra rows
+    # are never an input or a target), e.g. the full-size model on a small test dataset
+    allow_larger_vocab: bool = False
     # P, masked slots per sequence (at most seq_length); 0 = derived from seq_length and the
     # largest mask rate of the schedule
     max_predictions: int = 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_rembert.config import ConfigError
 from megatron_rembert.data.common import format_table
 from megatron_rembert.data.loader import max_mask_prob
 from megatron_rembert.data.masking import default_max_predictions
@@ -33,16 +34,33 @@ class StagePlan:
         return sum(self.memory[stage].values())
 
 
+# The per-rank memory terms of `--dry-run`, in the order printed.
+MEMORY_KEYS = ("parameters", "gradients", "optimizer_states", "optimizer_step", "activations")
+
+
 def _bytes_per_parameter(config: Config, layout: Layout) -> dict[str, float]:
-    """Parameters and gradients in the training precision (fp32 master weights kept by the
-    optimizer for bf16/fp16), Adam moments fp32; ZeRO-1 shards optimizer states, ZeRO-2 also
-    gradients, over DP. bf16/fp16 gradients also accumulate in an fp32 buffer (DeepSpeed's
-    BF16_Optimizer or its ZeRO gradient-accumulation attribute): whole up to ZeRO-1."""
+    """Bytes per parameter at the peak of a step, as DeepSpeed (0.19) holds them; measured
+    per term with a single-process engine (bench/full_scale.py checks the sum on the real
+    model, rank by rank).
+
+    - parameters: the training precision (DeepSpeed flattens them into one buffer per group).
+    - gradients: the same precision, plus an fp32 accumulation buffer for bf16/fp16 (DeepSpeed's
+      BF16_Optimizer or its ZeRO gradient-accumulation attribute); whole up to ZeRO-1, sharded
+      over DP by ZeRO-2.
+    - optimizer_states: Adam's two fp32 moments, and under ZeRO an fp32 master copy of the
+      weights, which DeepSpeed's ZeRO optimizer keeps even when training in fp32 (it clones
+      the flat fp32 weights); sharded over DP from ZeRO-1.
+    - optimizer_step: the flat fp32 gradient partition a ZeRO step builds while the gradients
+      are still held, a transient that sets the peak (without ZeRO torch's fused AdamW steps in
+      place).
+    """
     half = config.train.precision in ("bf16", "fp16")
     weight, zero, dp = (2 if half else 4), config.parallel.zero_stage, layout.dp
+    optimizer_dp = dp if zero >= 1 else 1
     return {"parameters": weight,
             "gradients": (weight + (4 if half else 0)) / (dp if zero >= 2 else 1),
-            "optimizer_states": ((4 if half else 0) + 8) / (dp if zero >= 1 else 1)}
+            "optimizer_states": ((4 if zero >= 1 else 0) + 8) / optimizer_dp,
+            "optimizer_step": (4 if zero >= 1 else 0) / optimizer_dp}
 
 
 def _activation_bytes(config: Config, layout: Layout) -> list[float]:
@@ -72,9 +90,9 @@ def _predictions(config: Config) -> int:
     return data.max_predictions or default_max_predictions(data.seq_length, rate)
 
 
-def stage_plan(config: Config, layout: Layout, memory_cap: float | None = None) -> StagePlan:
+def stage_plan(config: Config, layout: Layout) -> StagePlan:
     """Stages balanced by training FLOPs (model.partition.balance_stages), each under
-    `memory_cap` bytes per rank if given. The trainer builds its pipeline from these
+    parallel.stage_memory_gib per rank if set. The trainer builds its pipeline from these
     boundaries; `--dry-run` prints them."""
     m, pp = config.model, layout.pp
     flops = [x * layout.micro_batch_size / layout.tp for x in pipeline_layer_flops(
@@ -84,7 +102,12 @@ def stage_plan(config: Config, layout: Layout, memory_cap: float | None = None) 
     static = [p * sum(per_param.values()) for p in params]
     activations = _activation_bytes(config, layout)
     in_flight = [min(pp - i, layout.gas) for i in range(pp)]
-    bounds = balance_stages(flops, static, activations, in_flight, memory_cap)
+    cap = config.parallel.stage_memory_gib * 2**30 or None
+    try:
+        bounds = balance_stages(flops, static, activations, in_flight, cap)
+    except ValueError as err:
+        raise ConfigError(f"parallel.stage_memory_gib={config.parallel.stage_memory_gib}: "
+                          f"{err}") from err
     stages = [range(bounds[i], bounds[i + 1]) for i in range(pp)]
     stage_params = [sum(params[k] for k in r) for r in stages]
     memory = [{**{key: n * b for key, b in per_param.items()},
@@ -132,9 +155,9 @@ def dry_run_report(config: Config, world_size: int | None = None) -> str:
         f"memory per rank (estimate, most loaded stage, {mem['params_per_rank']:,.0f} "
         "parameters):",
     ]
-    for key in ("parameters", "gradients", "optimizer_states", "activations"):
+    for key in MEMORY_KEYS:
         lines.append(f"  {key:<17} {mem[key] / gib:8.2f} GiB")
-    total = sum(mem[k] for k in ("parameters", "gradients", "optimizer_states", "activations"))
+    total = sum(mem[k] for k in MEMORY_KEYS)
     lines.append(f"  {'total':<17} {total / gib:8.2f} GiB")
     if layout.pp > 1:
         lines += stage_table(config, layout)

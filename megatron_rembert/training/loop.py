@@ -75,6 +75,8 @@ def check_inputs(config: Config, world_size: int, device: torch.device, rank: in
     one place the model's vocabulary is compared with the dataset's). Returns this rank's
     layout and the tokenizer's sha256."""
     layout = validate_config(config, world_size, rank)
+    if layout.pp > 1:
+        stage_plan(config, layout)  # a stage memory cap no split meets fails here, not later
     if config.train.precision == "fp16" and device.type != "cuda":
         from deepspeed.accelerator import get_accelerator
 
@@ -109,11 +111,14 @@ def check_inputs(config: Config, world_size: int, device: torch.device, rank: in
                                    if dataset.rows_per_language[lang]):
         raise ConfigError("data.language_start: every language enters late; at least one "
                           "must be sampled from the start (leave it out, or give 0.0)")
-    if dataset.vocab_size != config.model.vocab_size:
+    larger = data.allow_larger_vocab and dataset.vocab_size < config.model.vocab_size
+    if dataset.vocab_size != config.model.vocab_size and not larger:
+        hint = (" (data.allow_larger_vocab=true accepts a model vocabulary larger than the "
+                "dataset's)" if dataset.vocab_size < config.model.vocab_size else "")
         raise ConfigError(
             f"data.path={data.path} was made with a tokenizer of {dataset.vocab_size} pieces, "
             f"model.vocab_size={config.model.vocab_size}; set model.vocab_size="
-            f"{dataset.vocab_size} or use the matching dataset")
+            f"{dataset.vocab_size} or use the matching dataset{hint}")
     return layout, sha
 
 

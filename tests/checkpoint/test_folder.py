@@ -46,6 +46,7 @@ def test_roll_back_moves_newer_folders_aside(tmp_path):
         _save(tmp_path, step)
     moved = protocol.roll_back(tmp_path, tmp_path / "step_00000004")
     assert [p.name for p in moved] == ["step_00000006"]
+    assert moved[0].parent.parent == tmp_path / protocol.ROLLED_BACK and moved[0].is_dir()
     assert (tmp_path / "latest").read_text().strip() == "step_00000004"
     aside = list((tmp_path / protocol.ROLLED_BACK).glob("*/step_00000006"))
     assert len(aside) == 1 and (aside[0] / "complete").exists()  # moved, not deleted

@@ -1,9 +1,12 @@
 """Pipeline stages balanced by training FLOPs, under a memory cap (model/partition.py)."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from megatron_rembert.config import ConfigError
 from megatron_rembert.model.partition import balance_stages, one_f_one_b_efficiency
 from megatron_rembert.run_config import load_config, validate_config
 from megatron_rembert.training.estimate import (
@@ -90,11 +93,21 @@ def test_memory_cap_moves_layers_off_the_first_stage():
     free = stage_plan(config, layout)
     # The uncapped balance leaves stage 0 (most micro-batches in flight) the most memory.
     cap = 0.9 * max(free.total_memory(i) for i in range(2))
-    capped = stage_plan(config, layout, memory_cap=cap)
+    capped_config, _ = _rembert(2, f"parallel.stage_memory_gib={cap / 2**30}")
+    capped = stage_plan(capped_config, layout)
     assert all(capped.total_memory(i) <= cap for i in range(2))
     assert capped.boundaries[1] < free.boundaries[1]
-    with pytest.raises(ValueError, match="no split of 34 pipeline layers into 2 stages"):
-        stage_plan(config, layout, memory_cap=2**30)
+    # The trainer's own check (before any heavy work) names the key.
+    tight, _ = _rembert(2, "parallel.stage_memory_gib=1")
+    run = subprocess.run([sys.executable, "train.py", "--config", "configs/rembert.yaml",
+                          "--set", "parallel.pp=2", "--set", "parallel.stage_memory_gib=1",
+                          "--dry-run", "--world-size", "16"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert ("error: parallel.stage_memory_gib=1.0: no split of 34 pipeline layers into 2 "
+            "stages") in run.stderr
+    with pytest.raises(ConfigError, match="parallel.stage_memory_gib"):
+        stage_plan(tight, layout)
 
 
 def test_dry_run_prints_the_stage_table():

@@ -242,3 +242,15 @@ def test_lr_warmup_stable_decay():
         f = lr_lambda(load_config(ROOT / "configs/rembert.yaml", sets + [f"optim.decay={decay}"]))
         assert f(9) == pytest.approx(1.0) and f(35) == 1.0 and f(60) == 1.0
         assert f(80) == pytest.approx(mid) and f(100) == pytest.approx(0.0)
+
+
+def test_larger_model_vocab_needs_allow_larger_vocab(tiny_dataset):
+    with pytest.raises(ConfigError, match=r"data.allow_larger_vocab=true accepts"):
+        check_inputs(_tiny(tiny_dataset, "model.vocab_size=1200"), 1, torch.device("cpu"))
+    check_inputs(_tiny(tiny_dataset, "model.vocab_size=1200", "data.allow_larger_vocab=true"), 1,
+                 torch.device("cpu"))
+    # Never a smaller model vocabulary: the dataset's ids would index past it.
+    with pytest.raises(ConfigError, match="set model.vocab_size=1000") as err:
+        check_inputs(_tiny(tiny_dataset, "model.vocab_size=800", "data.allow_larger_vocab=true"),
+                     1, torch.device("cpu"))
+    assert "allow_larger_vocab" not in str(err.value)

@@ -1,0 +1,109 @@
+"""Run a command and record the peak memory of every process it starts.
+
+    python bench/memwatch.py --out peaks.json -- CMD ARGS...
+
+Polls /proc every 20 ms for the command and all its descendants; for each process it keeps the
+peak of its resident anonymous memory (RssAnon: what the process allocated itself) and of its
+whole resident set (VmRSS: also file pages it maps, e.g. shared libraries and memory-mapped
+checkpoint files, which the kernel can drop). A process whose environment has RANK is reported
+under that rank. Linux only. Exits with the command's exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+KIB = 1024
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def _tree(root: int) -> list[int]:
+    todo, seen = [root], []
+    while todo:
+        pid = todo.pop()
+        seen.append(pid)
+        todo += _children(pid)
+    return seen
+
+
+def _status(pid: int) -> dict[str, int]:
+    fields = {}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("RssAnon", "VmRSS"):
+                fields[key] = int(value.split()[0]) * KIB
+    except OSError:
+        return {}
+    return fields
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:80]
+    except OSError:
+        return ""
+
+
+def _label(pid: int, cmd: str) -> str:
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return f"pid {pid}"
+    rank = next((e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"RANK=")), None)
+    return f"rank {rank}" if rank is not None and "train.py" in cmd else f"pid {pid}: {cmd}"
+
+
+def watch(cmd: list[str], interval: float = 0.02) -> tuple[int, dict[str, dict[str, int]], float]:
+    """Run `cmd`; return (exit status, {label: {"anon": peak, "rss": peak}}, seconds).
+
+    A process is labelled by what it runs now: a child forked by a rank (a compiler, a loader
+    worker) looks like the rank until it execs, and is counted as itself from then on."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd)
+    peaks: dict[str, dict[str, int]] = {}
+    labels: dict[tuple[int, str], str] = {}
+    while proc.poll() is None:
+        for pid in _tree(proc.pid):
+            fields, command = _status(pid), _cmdline(pid)
+            if not fields:
+                continue
+            if (pid, command) not in labels:
+                labels[pid, command] = _label(pid, command)
+            peak = peaks.setdefault(labels[pid, command], {"anon": 0, "rss": 0})
+            peak["anon"] = max(peak["anon"], fields.get("RssAnon", 0))
+            peak["rss"] = max(peak["rss"], fields.get("VmRSS", 0))
+        time.sleep(interval)
+    return proc.returncode, peaks, time.perf_counter() - start
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="JSON file for the peaks (bytes)")
+    parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
+    args = parser.parse_args()
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not cmd:
+        parser.error("no command after --")
+    status, peaks, seconds = watch(cmd)
+    Path(args.out).write_text(json.dumps({"exit": status, "seconds": seconds, "peaks": peaks},
+                                         indent=2))
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
