@@ -14,7 +14,7 @@ conversion's peak against the largest single full tensor (the output embedding).
 
 The model is the rembert preset (32 layers). On a machine whose memory cannot hold it,
 `--layers auto` (the default) drops Transformer layers, and only those, until the dry-run
-estimate (+30%, + the processes' own memory) fits in MemAvailable, and says so.
+estimate (+15%, + the processes' own memory) fits in MemAvailable, and says so.
 `--small` is the CI variant: 2 layers, a 16,000-piece model vocabulary.
 
     bench/full_scale.sh [--small] [--layers N|auto] [--out DIR] [--keep]
@@ -104,10 +104,10 @@ def pick_layers(vocab: int | None, overheads: dict[str, float], log) -> int:
     full = get_preset("rembert").num_hidden_layers
     budget = _mem_available() - sum(overheads.values()) - GIB  # 1 GiB for the page cache
     for layers in range(full, 1, -1):
-        need = 1.3 * sum(rank_estimates(config_for(layers, vocab, [])[0]).values())
+        need = 1.15 * sum(rank_estimates(config_for(layers, vocab, [])[0]).values())
         if need <= budget:
             if layers < full:
-                log(f"layers: {layers} of {full}: the estimate for more (+30%) exceeds the "
+                log(f"layers: {layers} of {full}: the estimate for more (+15%) exceeds the "
                     f"{budget / GIB:.1f} GiB this machine has free for tensors")
             return layers
     raise SystemExit("error: even 2 layers do not fit this machine's memory")

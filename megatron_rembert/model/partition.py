@@ -36,13 +36,16 @@ def pipeline_layer_flops(config: ModelConfig, seq_length: int, predictions: int,
 
 
 def balance_stages(flops: list[float], static_bytes: list[float], activation_bytes: list[float],
-                   in_flight: list[int], memory_cap: float | None = None) -> list[int]:
+                   in_flight: list[int], memory_cap: float | None = None,
+                   transient_bytes: list[float] | None = None) -> list[int]:
     """Contiguous split of the layers into len(in_flight) non-empty stages that minimises the
     busiest stage's FLOPs (then, among equals, its memory), every stage under `memory_cap`.
 
     Per layer: `flops`, `static_bytes` (weights, gradients, optimizer states) and
     `activation_bytes` (one micro-batch). Stage i keeps `in_flight[i]` micro-batches of
-    activations (1F1B: min(pp - i, accumulation steps)). Returns the boundaries
+    activations (1F1B: min(pp - i, accumulation steps)); `transient_bytes`, one buffer per layer
+    of which a stage holds the largest at a time (a copy of one parameter's gradient). Returns
+    the boundaries
     [0, b1, ..., len(flops)]: stage i owns layers [b_i, b_i+1), DeepSpeed's `parts`.
     Exact (dynamic programming over stages x split points), so deterministic.
     """
@@ -58,8 +61,11 @@ def balance_stages(flops: list[float], static_bytes: list[float], activation_byt
 
     pf, ps, pa = prefix(flops), prefix(static_bytes), prefix(activation_bytes)
 
+    transient = transient_bytes or [0.0] * n
+
     def stage_cost(i: int, start: int, stop: int) -> tuple[float, float]:
-        memory = ps[stop] - ps[start] + in_flight[i] * (pa[stop] - pa[start])
+        memory = ps[stop] - ps[start] + in_flight[i] * (pa[stop] - pa[start]) + \
+            max(transient[start:stop])
         return pf[stop] - pf[start], memory
 
     inf = (float("inf"), float("inf"))
@@ -79,8 +85,8 @@ def balance_stages(flops: list[float], static_bytes: list[float], activation_byt
                 if candidate < best[i][j]:
                     best[i][j], cut[i][j] = candidate, start
     if best[-1][n] == inf:
-        largest = max(s + min(in_flight) * a
-                      for s, a in zip(static_bytes, activation_bytes, strict=True))
+        largest = max(s + min(in_flight) * a + t
+                      for s, a, t in zip(static_bytes, activation_bytes, transient, strict=True))
         raise ValueError(
             f"no split of {n} pipeline layers into {stages} stages keeps every stage under "
             f"{memory_cap / 2**30:.2f} GiB (the largest layer alone needs at least "

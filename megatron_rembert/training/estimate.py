@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from megatron_rembert.config import ConfigError
@@ -35,7 +36,8 @@ class StagePlan:
 
 
 # The per-rank memory terms of `--dry-run`, in the order printed.
-MEMORY_KEYS = ("parameters", "gradients", "optimizer_states", "optimizer_step", "activations")
+MEMORY_KEYS = ("parameters", "gradients", "optimizer_states", "optimizer_step", "gradient_copy",
+               "activations")
 
 
 def _bytes_per_parameter(config: Config, layout: Layout) -> dict[str, float]:
@@ -50,9 +52,11 @@ def _bytes_per_parameter(config: Config, layout: Layout) -> dict[str, float]:
     - optimizer_states: Adam's two fp32 moments, and under ZeRO an fp32 master copy of the
       weights, which DeepSpeed's ZeRO optimizer keeps even when training in fp32 (it clones
       the flat fp32 weights); sharded over DP from ZeRO-1.
-    - optimizer_step: the flat fp32 gradient partition a ZeRO step builds while the gradients
-      are still held, a transient that sets the peak (without ZeRO torch's fused AdamW steps in
-      place).
+    - optimizer_step: under ZeRO with gradient accumulation, a micro-batch's fresh gradients
+      while the accumulated ones are held (from the second micro-batch on); the flat fp32
+      gradient partition a ZeRO step builds from the gradients is as large. Without ZeRO
+      torch's fused AdamW steps in place.
+    Not per parameter: `gradient_copy` (see `_largest_parameters`).
     """
     half = config.train.precision in ("bf16", "fp16")
     weight, zero, dp = (2 if half else 4), config.parallel.zero_stage, layout.dp
@@ -61,6 +65,22 @@ def _bytes_per_parameter(config: Config, layout: Layout) -> dict[str, float]:
             "gradients": (weight + (4 if half else 0)) / (dp if zero >= 2 else 1),
             "optimizer_states": ((4 if zero >= 1 else 0) + 8) / optimizer_dp,
             "optimizer_step": (4 if zero >= 1 else 0) / optimizer_dp}
+
+
+def _largest_parameters(config: Config, layout: Layout) -> list[float]:
+    """Per pipeline layer, the elements of its largest parameter on one rank (TP shard): under
+    ZeRO, DeepSpeed's gradient-accumulation hook copies a fresh gradient into its fp32 buffer
+    one parameter at a time, so a stage briefly holds one extra fp32 gradient of that size on
+    top of the per-parameter terms (measured: the peak of a single-process engine rises by
+    exactly the largest parameter's fp32 gradient; on rembert's last stage the output
+    embedding shard, 0.78 GiB at tp 2)."""
+    from megatron_rembert.checkpoint.specs import param_specs
+
+    largest = [0.0] * (config.model.num_hidden_layers + 2)
+    for spec in param_specs(config.model, layout.tp):
+        numel = math.prod(spec.local_shape(layout.tp))
+        largest[spec.layer] = max(largest[spec.layer], float(numel))
+    return largest
 
 
 def _activation_bytes(config: Config, layout: Layout) -> list[float]:
@@ -102,15 +122,18 @@ def stage_plan(config: Config, layout: Layout) -> StagePlan:
     static = [p * sum(per_param.values()) for p in params]
     activations = _activation_bytes(config, layout)
     in_flight = [min(pp - i, layout.gas) for i in range(pp)]
+    copy = [4 * x if config.parallel.zero_stage >= 1 else 0.0
+            for x in _largest_parameters(config, layout)]
     cap = config.parallel.stage_memory_gib * 2**30 or None
     try:
-        bounds = balance_stages(flops, static, activations, in_flight, cap)
+        bounds = balance_stages(flops, static, activations, in_flight, cap, copy)
     except ValueError as err:
         raise ConfigError(f"parallel.stage_memory_gib={config.parallel.stage_memory_gib}: "
                           f"{err}") from err
     stages = [range(bounds[i], bounds[i + 1]) for i in range(pp)]
     stage_params = [sum(params[k] for k in r) for r in stages]
     memory = [{**{key: n * b for key, b in per_param.items()},
+               "gradient_copy": max(copy[k] for k in stages[i]),
                "activations": in_flight[i] * sum(activations[k] for k in stages[i])}
               for i, n in enumerate(stage_params)]
     stage_flops = [sum(flops[k] for k in r) for r in stages]
