@@ -54,13 +54,6 @@ def _python(*args: str, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=ROOT, check=True, **kw)
 
 
-def _status_bytes(key: str, pid: str = "self") -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
 def _mem_available() -> int:
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemAvailable:"):
@@ -119,7 +112,7 @@ TINY = ["model.num_hidden_layers=2", "model.hidden_size=64", "model.num_attentio
         "train.steps=1", "train.save_interval=0"]
 
 
-def rank_overheads(out: Path, keys: list[str], log) -> dict[str, float]:
+def rank_overheads(out: Path, keys: list[str]) -> dict[str, float]:
     """Each rank's peak RssAnon in a run of the TINY model, less that model's estimate: the
     interpreter, torch, DeepSpeed, gloo, the dataset and allocator slack; under "others" the
     peaks of the other processes (torchrun, loader workers) summed."""
@@ -128,13 +121,13 @@ def rank_overheads(out: Path, keys: list[str], log) -> dict[str, float]:
     from megatron_rembert.run_config import load_config
 
     estimates = rank_estimates(load_config(ROOT / "configs" / "rembert.yaml", tiny))
-    peaks, _ = train(out, tiny, [], log)
+    peaks, _ = train(tiny, [])
     shutil.rmtree(out / "checkpoints_tiny", ignore_errors=True)
     return {**{rank: peaks[rank]["anon"] - estimates[rank] for rank in estimates},
             "others": sum(p["anon"] for k, p in peaks.items() if k not in estimates)}
 
 
-def train(out: Path, keys: list[str], extra: list[str], log) -> tuple[dict, float]:
+def train(keys: list[str], extra: list[str]) -> tuple[dict, float]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
            "4", str(ROOT / "train.py"), "--config", str(ROOT / "configs" / "rembert.yaml")]
     for key in keys + extra:
@@ -145,9 +138,10 @@ def train(out: Path, keys: list[str], extra: list[str], log) -> tuple[dict, floa
     return peaks, seconds
 
 
-def losses(log_dir: Path) -> dict[int, float]:
+def losses(log_dir: Path) -> dict[str, float]:
+    """Training loss by step; the keys are strings, as in result.json."""
     rows = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if r.get("split") == "train"}
+    return {str(r["step"]): r["loss"] for r in rows if r.get("split") == "train"}
 
 
 def convert(args: list[str]) -> tuple[dict, float]:
@@ -157,11 +151,11 @@ def convert(args: list[str]) -> tuple[dict, float]:
     return max(p["anon"] for p in peaks.values()), seconds
 
 
-def check_hf(step_dir: Path, hf_dir: Path, encoder_dir: Path, expect_encoder: int) -> dict:
+def check_hf(step_dir: Path, hf_dir: Path, encoder_dir: Path) -> dict:
     """In its own process (its memory is not the conversions'): transformers' logits at masked
     positions against ours, and the encoder's parameter count."""
     code = f"""
-import json, torch, transformers
+import json, math, torch, transformers
 from megatron_rembert.checkpoint.reader import CheckpointReader
 from megatron_rembert.checkpoint.specs import ParamSpec
 from megatron_rembert.model.rembert import RemBertForPreTraining
@@ -195,8 +189,7 @@ encoder = transformers.RemBertModel.from_pretrained({str(encoder_dir)!r},
                                                    add_pooling_layer=False)
 from safetensors import safe_open
 with safe_open({str(encoder_dir / "model.safetensors")!r}, "pt") as f:
-    in_file = sum(f.get_slice(k).get_shape().numel() if hasattr(f.get_slice(k).get_shape(),
-                  "numel") else torch.Size(f.get_slice(k).get_shape()).numel() for k in f.keys())
+    in_file = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
 print(json.dumps({{"max_abs_diff": (mine - theirs).abs().max().item(),
                   "max_abs_logit": theirs.abs().max().item(),
                   "encoder_parameters": in_file,
@@ -206,7 +199,7 @@ print(json.dumps({{"max_abs_diff": (mine - theirs).abs().max().item(),
     return json.loads(out.strip().splitlines()[-1])
 
 
-def make_data(out: Path, tokenizer_vocab: int, log) -> None:
+def make_data(out: Path, tokenizer_vocab: int) -> None:
     if (out / "data" / "manifest.json").exists():
         return
     _python("data_tools/make_demo_corpus.py", "--out", str(out / "corpus"), "--size-mb", "1",
@@ -240,14 +233,14 @@ def main(argv: list[str] | None = None) -> dict:
     vocab = 16000 if args.small else None
     times: dict[str, float] = {}
     start = time.perf_counter()
-    make_data(out, 1000, log)
+    make_data(out, 1000)
     times["data"] = time.perf_counter() - start
     baseline = import_baseline()
     paths = [f"data.path={out / 'data'}", f"data.tokenizer={out / 'tokenizer' / 'spm.model'}"]
     for folder in ("checkpoints", "logs_train", "logs_resume", "logs_tiny", "hf", "encoder"):
         shutil.rmtree(out / folder, ignore_errors=True)
     start = time.perf_counter()
-    overheads = rank_overheads(out, config_for(2, vocab, paths)[1], log)
+    overheads = rank_overheads(out, config_for(2, vocab, paths)[1])
     times["calibration (the same run, a 2 MB model)"] = time.perf_counter() - start
     layers = (2 if args.small else pick_layers(vocab, overheads, log)) \
         if args.layers == "auto" else int(args.layers)
@@ -260,10 +253,10 @@ def main(argv: list[str] | None = None) -> dict:
         "fine-tuning")
 
     peaks, times["train (3 steps, 2 saves)"] = train(
-        out, keys, [f"train.log_dir={out / 'logs_train'}"], log)
+        keys, [f"train.log_dir={out / 'logs_train'}"])
     step2 = out / "checkpoints" / "step_00000002"
     resumed, times["resume (load, 1 step, save)"] = train(
-        out, keys, [f"train.log_dir={out / 'logs_resume'}", f"train.resume_from={step2}"], log)
+        keys, [f"train.log_dir={out / 'logs_resume'}", f"train.resume_from={step2}"])
     shutil.rmtree(out / "checkpoints" / ROLLED_BACK)  # the first step 3, moved aside
     reference, again = losses(out / "logs_train"), losses(out / "logs_resume")
     step3 = out / "checkpoints" / "step_00000003"
@@ -272,7 +265,7 @@ def main(argv: list[str] | None = None) -> dict:
     enc_peak, times["convert export-encoder"] = convert(
         ["export-encoder", "--checkpoint", str(step3), "--out", str(out / "encoder")])
     start = time.perf_counter()
-    hf = check_hf(step3, out / "hf", out / "encoder", counts.finetuning)
+    hf = check_hf(step3, out / "hf", out / "encoder")
     times["transformers check"] = time.perf_counter() - start
 
     estimates = rank_estimates(config)
@@ -316,10 +309,8 @@ def report(r: dict) -> str:
               f"({r['largest_tensor_gib']:.2f} GiB) |", "|---|---:|---:|"]
     lines += [f"| {k} | {v['peak_gib']:.2f} | {v['ratio']:.2f} |"
               for k, v in r["conversions"].items()]
-    step = max(r["losses"]["resumed"])
-    a, b = r["losses"]["uninterrupted"][str(step)] if isinstance(
-        next(iter(r["losses"]["uninterrupted"])), str) else r["losses"]["uninterrupted"][step], \
-        r["losses"]["resumed"][step]
+    step = max(r["losses"]["resumed"], key=int)
+    a, b = r["losses"]["uninterrupted"][step], r["losses"]["resumed"][step]
     lines += ["", f"loss at step {step}: uninterrupted {a:.6f}, resumed {b:.6f} "
               f"(difference {abs(a - b):.1e})",
               f"transformers' logits at masked positions vs ours: max |diff| "

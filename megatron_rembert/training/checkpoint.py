@@ -31,6 +31,7 @@ from megatron_rembert.parallel import comm
 from megatron_rembert.parallel import random as tp_random
 from megatron_rembert.parallel.layout import Layout
 from megatron_rembert.run_config import Config
+from megatron_rembert.training.estimate import parameter_balanced_boundaries
 from megatron_rembert.training.optim import lr_lambda
 from megatron_rembert.training.portable import load_full_tensors, load_portable
 
@@ -159,14 +160,36 @@ def reshard_command(folder: Path, tp: int, pp: int) -> str:
             f"--tp {tp} --pp {pp} --weights-only, then resume with --set train.save_dir={out}")
 
 
-def check_layout(folder: Path, meta: dict, layout: Layout) -> str:
+def other_stage_split(meta: dict, config: Config, layout: Layout,
+                      boundaries: list[int] | None) -> list[int] | None:
+    """The pipeline split a checkpoint at this tp x pp was saved with, when it differs from
+    `boundaries` (this run's); None when it is the same or pp = 1. Checkpoints made before
+    stages were balanced by FLOPs record none: theirs is DeepSpeed's parameter balance."""
+    if layout.pp == 1 or meta["layout"].get("pp") != layout.pp:
+        return None
+    saved = meta.get("stage_boundaries") or parameter_balanced_boundaries(config, layout.pp)
+    return None if list(saved) == list(boundaries) else list(saved)
+
+
+def check_layout(folder: Path, meta: dict, layout: Layout, config: Config | None = None,
+                 boundaries: list[int] | None = None) -> str:
     """How a checkpoint loads at this run's layout, decided before the model is built:
     'same' (everything, RNG states included), 'deepspeed' (DeepSpeed's own load: only dp
     changed and no ZeRO partitions), or 'full' (full tensors read from the saved files and cut
-    for this layout, optimizer state included; the path of portable checkpoints)."""
+    for this layout, optimizer state included; the path of portable checkpoints).
+
+    With `config` and this run's pipeline `boundaries`, the same tp x pp saved with another
+    stage split also loads 'full': each stage's optimizer files hold the layers of the saved
+    split (layers are named by their global index in every file)."""
     saved, tp, pp = meta["layout"], layout.tp, layout.pp
     if saved == layout.sizes():
-        return "same"
+        saved_stages = other_stage_split(meta, config, layout, boundaries) if config else None
+        if saved_stages is None:
+            return "same"
+        if comm.rank() == 0:
+            print(f"{folder}: saved with pipeline stages {saved_stages}, this run splits them "
+                  f"as {boundaries}: loading full tensors", flush=True)
+        return "full"
     if is_portable(meta):
         return "full"
     zero = int(meta["config"].get("parallel", {}).get("zero_stage", 0))

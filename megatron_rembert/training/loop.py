@@ -24,7 +24,7 @@ from megatron_rembert.parallel import random as tp_random
 from megatron_rembert.parallel.layout import Layout
 from megatron_rembert.run_config import Config, validate_config
 from megatron_rembert.training import checkpoint as ckpt
-from megatron_rembert.training.estimate import parameter_balanced_boundaries, stage_plan
+from megatron_rembert.training.estimate import stage_plan
 from megatron_rembert.training.hang import POSITION, Watchdog, describe, is_collective_failure
 from megatron_rembert.training.metrics import (
     MetricsLogger,
@@ -152,17 +152,6 @@ def _save_dir_locked(config: Config) -> Iterator[None]:
         lock.release()
 
 
-def other_stage_split(meta: dict, config: Config, layout: Layout,
-                      boundaries: list[int] | None) -> list[int] | None:
-    """The pipeline split a checkpoint at this tp x pp was saved with, when it differs from
-    `boundaries` (this run's); None when it is the same or pp = 1. Checkpoints made before
-    stages were balanced by FLOPs record none: theirs is DeepSpeed's parameter balance."""
-    if layout.pp == 1 or meta["layout"].get("pp") != layout.pp:
-        return None
-    saved = meta.get("stage_boundaries") or parameter_balanced_boundaries(config, layout.pp)
-    return None if list(saved) == list(boundaries) else list(saved)
-
-
 def _find_resume(config: Config, meta_now: dict, layout: Layout) -> tuple[Path | None, str]:
     """The folder to resume from (after a roll-back to train.resume_from) and how it loads at
     this run's layout (training/checkpoint.check_layout), checked before the model is built."""
@@ -196,15 +185,7 @@ def _find_resume(config: Config, meta_now: dict, layout: Layout) -> tuple[Path |
                 f"{folder} was trained with {key} {saved[:12]}..., {flag}="
                 f"{getattr(config.data, flag.split('.')[1])} has {now[:12]}...; resume with the "
                 f"checkpoint's {flag} or use a different train.save_dir")
-    how = ckpt.check_layout(folder, meta, layout)
-    saved_stages = other_stage_split(meta, config, layout, meta_now["stage_boundaries"])
-    if how == "same" and saved_stages is not None:
-        # Each stage's optimizer files hold the layers of the saved split: read the full
-        # tensors and cut them instead (layers are named by their global index in every file).
-        if comm.rank() == 0:
-            print(f"{folder}: saved with pipeline stages {saved_stages}, this run splits them "
-                  f"as {meta_now['stage_boundaries']}: loading full tensors", flush=True)
-        how = "full"
+    how = ckpt.check_layout(folder, meta, layout, config, meta_now["stage_boundaries"])
     if comm.rank() == 0:  # another global batch size or LR schedule: allowed, said once
         for notice in ckpt.resume_notices(folder, meta, config):
             print(notice, flush=True)

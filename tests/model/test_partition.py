@@ -121,7 +121,7 @@ def test_dry_run_prints_the_stage_table():
 def test_a_checkpoint_of_another_split_is_read_as_full_tensors():
     """Resuming at the same tp x pp but another stage split (a checkpoint of an earlier version
     records none: DeepSpeed's parameter balance) takes the full-tensor path."""
-    from megatron_rembert.training.loop import other_stage_split
+    from megatron_rembert.training.checkpoint import other_stage_split
 
     config, layout = _rembert(2)
     current = stage_plan(config, layout).boundaries
