@@ -2,39 +2,24 @@
 micro-batches. Numpy only (torch tensors only at the loader's edge); no torch.distributed:
 ranks and sizes are passed in. See docs/data.md."""
 
-from megatron_rembert.data.common import DataError, SpecialIds
-from megatron_rembert.data.loader import (
-    build_pretraining_loader,
-    build_validation_loader,
-    iterate_batches,
-)
-from megatron_rembert.data.masking import (
-    MaskingConfig,
-    default_max_predictions,
-    mask_batch,
-    mask_sequence,
-)
-from megatron_rembert.data.sampler import (
-    MultilingualSampler,
-    language_weights,
-    rank_sample_indices,
-)
-from megatron_rembert.data.shards import SCHEMA_VERSION, ShardDataset, read_manifest
+import importlib
 
-__all__ = [
-    "SCHEMA_VERSION",
-    "DataError",
-    "MaskingConfig",
-    "MultilingualSampler",
-    "ShardDataset",
-    "SpecialIds",
-    "build_pretraining_loader",
-    "build_validation_loader",
-    "default_max_predictions",
-    "iterate_batches",
-    "language_weights",
-    "mask_batch",
-    "mask_sequence",
-    "rank_sample_indices",
-    "read_manifest",
-]
+# Imported on first use (PEP 562): a preprocessing worker, which needs only the corpus reader
+# and the tokenizer, then starts without the loader's imports.
+_WHERE = {
+    "DataError": "common", "SpecialIds": "common",
+    "build_pretraining_loader": "loader", "build_validation_loader": "loader",
+    "iterate_batches": "loader",
+    "MaskingConfig": "masking", "default_max_predictions": "masking", "mask_batch": "masking",
+    "mask_sequence": "masking",
+    "MultilingualSampler": "sampler", "language_weights": "sampler",
+    "rank_sample_indices": "sampler",
+    "SCHEMA_VERSION": "shards", "ShardDataset": "shards", "read_manifest": "shards",
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)

@@ -19,6 +19,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from megatron_rembert.data.common import DataError
 
@@ -202,16 +203,15 @@ def _not_text(err: UnicodeDecodeError) -> tuple[str, int]:
 codecs.register_error("megatron_rembert.not_text", _not_text)
 
 
-class _Utf8Lines:
-    """A UTF-16/UTF-32 stream read as UTF-8 lines (bytes), CRLF and CR turned into LF.
-    `readline(limit)` counts characters here, not bytes."""
+class _Utf8Reader:
+    """A UTF-16/UTF-32 stream read as UTF-8 bytes, CRLF and CR turned into LF."""
 
     def __init__(self, f, encoding: str):
         self.text = io.TextIOWrapper(f, encoding=encoding, errors="megatron_rembert.not_text",
                                      newline=None)
 
-    def readline(self, limit: int) -> bytes:
-        return self.text.readline(limit).encode("utf-8", "surrogatepass")
+    def read(self, n: int) -> bytes:
+        return self.text.read(n).encode("utf-8", "surrogatepass")
 
 
 def _byte_order_mark_encoding(f) -> str | None:
@@ -219,20 +219,135 @@ def _byte_order_mark_encoding(f) -> str | None:
     return next((enc for bom, enc in _BOMS if head.startswith(bom)), None)
 
 
-def _read_lines(f, max_line_bytes: int) -> Iterator[bytes | None]:
-    """Yield raw lines; None for a line over the limit (read through without keeping it)."""
-    while True:
-        line = f.readline(max_line_bytes + 1)
-        if not line:
-            return
-        if len(line) > max_line_bytes and not line.endswith(b"\n"):
-            while True:  # discard the rest of the over-long line in bounded pieces
-                rest = f.readline(1 << 20)
-                if not rest or rest.endswith(b"\n"):
-                    break
-            yield None
-        else:
-            yield line
+DEFAULT_BLOCK_BYTES = 1 << 18  # 256 KiB of text: one preprocessing task
+
+
+class LineBlock(NamedTuple):
+    """Consecutive lines of one file: `data` holds `n_lines` lines from line `first_line` on,
+    each ending in b"\n" (also the file's last one). A line longer than the limit is cut to
+    limit + 1 bytes, so it stays recognisable as too long without being held whole."""
+
+    first_line: int
+    n_lines: int
+    data: bytes
+
+
+def _raw_blocks(read, max_line_bytes: int, block_bytes: int) -> Iterator[tuple[bytes, int]]:
+    """(data, number of lines) of consecutive whole lines, cut at line ends once a block holds
+    `block_bytes`. Where blocks fall depends only on the text, so a resumed run (which reads
+    from the start of the file again) makes the same blocks as an uninterrupted one."""
+    block, n, line, long_line = bytearray(), 0, bytearray(), False  # line: the unfinished one
+    limit = max_line_bytes + 1
+    while chunk := read(block_bytes):
+        first_end = chunk.find(b"\n")
+        if first_end < 0:  # the unfinished line goes on through the whole chunk
+            if not long_line:
+                line += chunk
+                long_line = len(line) > max_line_bytes
+                del line[limit:]
+            continue
+        if not long_line:
+            line += chunk[:first_end]
+            del line[limit:]
+        block += line
+        block += b"\n"
+        last_end = chunk.rfind(b"\n")
+        block += chunk[first_end + 1: last_end + 1]  # whole lines; the parser finds long ones
+        n += 1 + chunk.count(b"\n", first_end + 1, last_end + 1)
+        line = bytearray(chunk[last_end + 1:])
+        long_line = len(line) > max_line_bytes
+        del line[limit:]
+        if len(block) >= block_bytes:
+            yield bytes(block), n
+            block, n = bytearray(), 0
+    if line:  # the last line has no line end
+        block += line
+        block += b"\n"
+        n += 1
+    if n:
+        yield bytes(block), n
+
+
+def iter_line_blocks(
+    cf: CorpusFile,
+    start_line: int = 0,
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    on_progress: Callable[[int], None] | None = None,
+) -> Iterator[LineBlock]:
+    """The lines of one file from `start_line` on, in blocks of about `block_bytes` (the same
+    blocks whatever `start_line`, apart from the first one's cut). Only the bytes are read here;
+    `documents_in_block` applies the rules on what is a document. `on_progress(bytes)`
+    receives the position in the (possibly compressed) file."""
+    try:
+        raw = open(cf.path, "rb")  # noqa: SIM115 - closed in finally, wrapped by gzip below
+    except OSError as e:
+        raise DataError(f"cannot open {cf.path}: {e}") from e
+    try:
+        f = gzip.GzipFile(fileobj=raw, mode="rb") if cf.gz else raw
+        encoding = _byte_order_mark_encoding(f)
+        read = f.read if encoding is None else _Utf8Reader(f, encoding).read
+        first = 0
+        for data, n in _raw_blocks(read, max_line_bytes, block_bytes):
+            if on_progress is not None:
+                on_progress(raw.tell())
+            if first + n > start_line:
+                if first < start_line:  # resuming inside this block: drop its earlier lines
+                    cut = 0
+                    for _ in range(start_line - first):
+                        cut = data.index(b"\n", cut) + 1
+                    data, n, first = data[cut:], n - (start_line - first), start_line
+                yield LineBlock(first, n, data)
+            first += n
+        if on_progress is not None:
+            on_progress(raw.tell())
+    except (OSError, EOFError, zlib.error) as e:
+        raise DataError(f"cannot read {cf.path} (corrupt or truncated file?): {e}; "
+                        "re-download it or move it out of the corpus folder.") from e
+    finally:
+        raw.close()
+
+
+def documents_in_block(block: LineBlock, kind: str, max_line_bytes: int, stats: SkipStats
+                       ) -> tuple[list[int], list[str]]:
+    """(line numbers, texts) of the documents in `block` of a `kind` ("txt" or "jsonl") file,
+    counting what is skipped into `stats`."""
+    numbers, texts = [], []
+    lines = block.data.split(b"\n")
+    lines.pop()  # after the last line end
+    for n, line in enumerate(lines, block.first_line):
+        if len(line) > max_line_bytes:
+            stats.long_lines += 1
+            continue
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError:
+            stats.bad_utf8_lines += 1
+            continue
+        if kind == "jsonl":
+            if not text.strip():
+                stats.blank_lines += 1
+                continue
+            try:
+                obj = json.loads(text)
+            except ValueError:
+                obj = None
+            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+                stats.bad_json_lines += 1
+                continue
+            text = obj["text"]
+            try:  # JSON may escape a lone surrogate ("\ud800"), which is no text
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                stats.bad_utf8_lines += 1
+                continue
+        text = text.lstrip("\ufeff").strip()
+        if not text:
+            stats.blank_lines += 1
+            continue
+        numbers.append(n)
+        texts.append(text)
+    return numbers, texts
 
 
 def iter_documents(
@@ -241,62 +356,13 @@ def iter_documents(
     start_line: int = 0,
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
     on_progress: Callable[[int], None] | None = None,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
 ) -> Iterator[tuple[int, str]]:
     """Yield (line number, document text) from one file, counting skips into `stats`.
 
-    Lines before `start_line` are read but neither returned nor counted (used on resume).
-    `on_progress(bytes)` receives the position in the (possibly compressed) file."""
-    try:
-        raw = open(cf.path, "rb")  # noqa: SIM115 - closed in finally, wrapped by gzip below
-    except OSError as e:
-        raise DataError(f"cannot open {cf.path}: {e}") from e
-    try:
-        f = gzip.GzipFile(fileobj=raw, mode="rb") if cf.gz else raw
-        encoding = _byte_order_mark_encoding(f)
-        if encoding is not None:
-            f = _Utf8Lines(f, encoding)
-        for n, line in enumerate(_read_lines(f, max_line_bytes)):
-            if on_progress is not None and n % 1024 == 0:
-                on_progress(raw.tell())
-            if n < start_line:
-                continue
-            if line is None:
-                stats.long_lines += 1
-                continue
-            try:
-                text = line.decode("utf-8")
-            except UnicodeDecodeError:
-                stats.bad_utf8_lines += 1
-                continue
-            if cf.kind == "jsonl":
-                if not text.strip():
-                    stats.blank_lines += 1
-                    continue
-                try:
-                    obj = json.loads(text)
-                except ValueError:
-                    obj = None
-                if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                    stats.bad_json_lines += 1
-                    continue
-                text = obj["text"]
-                try:  # JSON may escape a lone surrogate ("\ud800"), which is no text
-                    text.encode("utf-8")
-                except UnicodeEncodeError:
-                    stats.bad_utf8_lines += 1
-                    continue
-            text = text.lstrip("\ufeff").strip()
-            if not text:
-                stats.blank_lines += 1
-                continue
-            yield n, text
-        if on_progress is not None:
-            on_progress(raw.tell())
-    except (OSError, EOFError, zlib.error) as e:
-        raise DataError(f"cannot read {cf.path} (corrupt or truncated file?): {e}; "
-                        "re-download it or move it out of the corpus folder.") from e
-    finally:
-        raw.close()
+    Lines before `start_line` are read but neither returned nor counted (used on resume)."""
+    for block in iter_line_blocks(cf, start_line, max_line_bytes, block_bytes, on_progress):
+        yield from zip(*documents_in_block(block, cf.kind, max_line_bytes, stats), strict=True)
 
 
 def chunk_text(text: str, max_chars: int) -> list[str]:

@@ -46,10 +46,16 @@ def write_shard(path: str | os.PathLike, rows: np.ndarray, lang: str, pad_id: in
     """Atomically write `rows` ([n, S] int32) as one shard; return its manifest entry
     (without the `file` key): rows, tokens (non-pad), bytes, sha256."""
     n, seq_length = rows.shape
+    # Arrays built from their buffers: `pa.array` of a numpy array or a list imports pandas
+    # (0.4 s, a sixth of a 30 MB corpus's preprocessing) to check whether it was given one.
+    flat = np.ascontiguousarray(rows, dtype=np.int32).reshape(-1)
     ids = pa.FixedSizeListArray.from_arrays(
-        pa.array(np.ascontiguousarray(rows, dtype=np.int32).reshape(-1)), seq_length)
-    batch = pa.record_batch([ids, pa.array([lang] * n, pa.string())],
-                            schema=arrow_schema(seq_length))
+        pa.Array.from_buffers(pa.int32(), len(flat), [None, pa.py_buffer(flat)]), seq_length)
+    name = lang.encode()
+    offsets = np.arange(n + 1, dtype=np.int32) * len(name)
+    langs = pa.Array.from_buffers(pa.string(), n, [None, pa.py_buffer(offsets),
+                                                   pa.py_buffer(name * n)])
+    batch = pa.record_batch([ids, langs], schema=arrow_schema(seq_length))
 
     def write(f) -> None:  # the IPC stream format: what `datasets.Dataset.from_file` reads
         with pa.ipc.new_stream(f, batch.schema) as w:

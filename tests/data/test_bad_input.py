@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rembert.data.common import DataError
-from megatron_rembert.data.corpus import discover_corpus, iter_documents
+from megatron_rembert.data.corpus import SkipStats, discover_corpus, iter_documents
 from megatron_rembert.data.preprocess import preprocess
 from megatron_rembert.data.tokenizer import train_tokenizer
 from tests.data.conftest import small_config
@@ -171,3 +171,31 @@ def test_tools_exit_2_on_bad_input(tmp_path, tokenizer):
         assert r.returncode == 2, (tool, r.stderr)
         assert r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, r.stderr
         assert missing in r.stderr
+
+
+@pytest.mark.parametrize("block_bytes", [1, 7, 300])
+def test_documents_do_not_depend_on_block_size_or_start_line(messy_corpus, block_bytes):
+    """Blocks cut lines anywhere (in a long line, in a CRLF, in a UTF-16 character): the
+    documents, their line numbers and the skip counts equal those of one block per file, and a
+    start at any line gives exactly the later part."""
+    c = messy_corpus
+    _write(c / "aa" / "tail.txt", b"no line end\r\nlong " + b"y" * 5000)  # long, unterminated
+    crlf = "\r\n".join(["one", "", "two \u00e9", "three"]) + "\r\n"
+    _write(c / "bb" / "utf16.txt", crlf.encode("utf-16"))
+    files, _ = discover_corpus(c)
+
+    def read(cf, start=0, block=1 << 20):
+        stats = SkipStats()
+        docs = list(iter_documents(cf, stats, start, 4096, block_bytes=block))
+        return docs, stats
+
+    for cf in (cf for fs in files.values() for cf in fs):
+        whole, whole_stats = read(cf)
+        assert read(cf, block=block_bytes) == (whole, whole_stats), cf.rel
+        for start in range(0, 12, 3):
+            docs, _ = read(cf, start, block_bytes)
+            assert docs == [d for d in whole if d[0] >= start], (cf.rel, start)
+    tail = next(cf for cf in files["aa"] if cf.rel == "aa/tail.txt")
+    assert read(tail, block=block_bytes) == ([(0, "no line end")], SkipStats(long_lines=1))
+    utf16 = next(cf for cf in files["bb"] if cf.rel == "bb/utf16.txt")
+    assert read(utf16, block=block_bytes)[0] == [(0, "one"), (2, "two \u00e9"), (3, "three")]
