@@ -180,6 +180,7 @@ def test_documents_do_not_depend_on_block_size_or_start_line(messy_corpus, block
     start at any line gives exactly the later part."""
     c = messy_corpus
     _write(c / "aa" / "tail.txt", b"no line end\r\nlong " + b"y" * 5000)  # long, unterminated
+    _write(c / "aa" / "clean.txt", b"\xef\xbb\xbfone\r\n  \r\n \xef\xbb\xbftwo\nthree")
     crlf = "\r\n".join(["one", "", "two \u00e9", "three"]) + "\r\n"
     _write(c / "bb" / "utf16.txt", crlf.encode("utf-16"))
     files, _ = discover_corpus(c)
@@ -197,5 +198,8 @@ def test_documents_do_not_depend_on_block_size_or_start_line(messy_corpus, block
             assert docs == [d for d in whole if d[0] >= start], (cf.rel, start)
     tail = next(cf for cf in files["aa"] if cf.rel == "aa/tail.txt")
     assert read(tail, block=block_bytes) == ([(0, "no line end")], SkipStats(long_lines=1))
+    clean = next(cf for cf in files["aa"] if cf.rel == "aa/clean.txt")  # one decode per block
+    assert read(clean, block=block_bytes) == ([(0, "one"), (2, "\ufefftwo"), (3, "three")],
+                                              SkipStats(blank_lines=1))
     utf16 = next(cf for cf in files["bb"] if cf.rel == "bb/utf16.txt")
     assert read(utf16, block=block_bytes)[0] == [(0, "one"), (2, "two \u00e9"), (3, "three")]
