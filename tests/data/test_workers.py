@@ -23,3 +23,22 @@ def test_workers_and_block_size_do_not_change_the_train_shards(corpus, tokenizer
                                     block_bytes=block))
         assert _shards(m) == _shards(reference), (workers, block)
         assert m["languages"] == reference["languages"] and m["skipped"] == reference["skipped"]
+
+
+def test_both_encoders_give_sentencepiece_ids(tokenizer):
+    """The worker's joined-buffer encoder (private SentencePiece method, probed at start-up) and
+    its fallback over Python ints both equal the public `sp.encode`, flattened."""
+    from megatron_rembert.data import preprocess as pre
+    from megatron_rembert.data.tokenizer import load_sentencepiece
+
+    sp = load_sentencepiece(tokenizer)
+    texts = ["da kepuga muhebova ha votuzu.", "", "на зату мятипо фы дыли шесу.", "x" * 300]
+    want = sp.encode(texts)
+    encoders = [pre._list_encoder(sp)]
+    if hasattr(sp, "EncodeAsNumpy"):  # the buffers exist since SentencePiece 0.2.1
+        encoders.append(pre._buffer_encoder(sp))
+        assert encoders[-1] is not None, "the probe refused SentencePiece's buffer encoder"
+    for encode in encoders:
+        flat, offsets = encode(texts)
+        assert flat.dtype == "int32" and offsets.tolist()[-1] == len(flat)
+        assert [flat[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:], strict=True)] == want
