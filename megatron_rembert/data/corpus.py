@@ -236,27 +236,21 @@ def _raw_blocks(read, max_line_bytes: int, block_bytes: int) -> Iterator[tuple[b
     """(data, number of lines) of consecutive whole lines, cut at line ends once a block holds
     `block_bytes`. Where blocks fall depends only on the text, so a resumed run (which reads
     from the start of the file again) makes the same blocks as an uninterrupted one."""
-    block, n, line, long_line = bytearray(), 0, bytearray(), False  # line: the unfinished one
-    limit = max_line_bytes + 1
+    # line: the unfinished one, kept to limit bytes (longer than that: too long already)
+    block, n, line, limit = bytearray(), 0, bytearray(), max_line_bytes + 1
     while chunk := read(block_bytes):
         first_end = chunk.find(b"\n")
-        if first_end < 0:  # the unfinished line goes on through the whole chunk
-            if not long_line:
-                line += chunk
-                long_line = len(line) > max_line_bytes
-                del line[limit:]
-            continue
-        if not long_line:
-            line += chunk[:first_end]
+        if len(line) < limit:
+            line += chunk if first_end < 0 else chunk[:first_end]
             del line[limit:]
+        if first_end < 0:  # the unfinished line goes on through the whole chunk
+            continue
         block += line
         block += b"\n"
         last_end = chunk.rfind(b"\n")
         block += chunk[first_end + 1: last_end + 1]  # whole lines; the parser finds long ones
         n += 1 + chunk.count(b"\n", first_end + 1, last_end + 1)
-        line = bytearray(chunk[last_end + 1:])
-        long_line = len(line) > max_line_bytes
-        del line[limit:]
+        line = bytearray(chunk[last_end + 1: last_end + 1 + limit])
         if len(block) >= block_bytes:
             yield bytes(block), n
             block, n = bytearray(), 0
@@ -308,6 +302,11 @@ def iter_line_blocks(
         raw.close()
 
 
+def _clean(text: str) -> str:
+    """A line's document text: byte-order marks at its start and surrounding blanks removed."""
+    return text.lstrip("\ufeff").strip()
+
+
 def documents_in_block(block: LineBlock, kind: str, max_line_bytes: int, stats: SkipStats
                        ) -> tuple[list[int], list[str]]:
     """(line numbers, texts) of the documents in `block` of a `kind` ("txt" or "jsonl") file,
@@ -316,8 +315,7 @@ def documents_in_block(block: LineBlock, kind: str, max_line_bytes: int, stats: 
     lines.pop()  # after the last line end
     if kind == "txt" and max(map(len, lines), default=0) <= max_line_bytes:
         try:  # the common case, one decode for the block: per line, this loop's cost doubles
-            stripped = [t.lstrip("\ufeff").strip()
-                        for t in block.data[:-1].decode("utf-8").split("\n")]
+            stripped = [_clean(t) for t in block.data[:-1].decode("utf-8").split("\n")]
         except UnicodeDecodeError:
             pass  # some line is not UTF-8: line by line below
         else:
@@ -352,7 +350,7 @@ def documents_in_block(block: LineBlock, kind: str, max_line_bytes: int, stats: 
             except UnicodeEncodeError:
                 stats.bad_utf8_lines += 1
                 continue
-        text = text.lstrip("\ufeff").strip()
+        text = _clean(text)
         if not text:
             stats.blank_lines += 1
             continue

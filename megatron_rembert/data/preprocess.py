@@ -139,9 +139,7 @@ def _tokenize(block: corpus_mod.LineBlock, rel: str, kind: str, max_line_bytes: 
         raise _SP
     stats = corpus_mod.SkipStats()
     lines, texts = corpus_mod.documents_in_block(block, kind, max_line_bytes, stats)
-    # is_valid_doc with the file's part of the CRC computed once (CRC-32 runs on)
-    head, bound = zlib.crc32(f"{rel}\n".encode()), valid_fraction * 2**32
-    valid = [zlib.crc32(b"%d" % line, head) < bound for line in lines]
+    valid = valid_docs(rel, lines, valid_fraction)
     out = {}
     for split in ("train", "valid"):
         mine = [t for t, v in zip(texts, valid, strict=True) if v == (split == "valid")]
@@ -160,8 +158,16 @@ def _worker_context():
     return ctx
 
 
+def valid_docs(rel: str, lines: list[int], fraction: float) -> list[bool]:
+    """Whether each document at `lines` of file `rel` goes to the validation split:
+    crc32(f"{rel}\n{line}") < fraction * 2^32, with the file's part of the CRC computed once
+    (CRC-32 runs on from a prefix's value)."""
+    head, bound = zlib.crc32(f"{rel}\n".encode()), fraction * 2**32
+    return [zlib.crc32(b"%d" % line, head) < bound for line in lines]
+
+
 def is_valid_doc(rel: str, line: int, fraction: float) -> bool:
-    return zlib.crc32(f"{rel}\n{line}".encode()) < fraction * 2**32
+    return valid_docs(rel, [line], fraction)[0]
 
 
 class _Language:

@@ -13,7 +13,12 @@ from pathlib import Path
 import pytest
 
 from megatron_rembert.data.common import DataError
-from megatron_rembert.data.corpus import SkipStats, discover_corpus, iter_documents
+from megatron_rembert.data.corpus import (
+    SkipStats,
+    discover_corpus,
+    iter_documents,
+    iter_line_blocks,
+)
 from megatron_rembert.data.preprocess import preprocess
 from megatron_rembert.data.tokenizer import train_tokenizer
 from tests.data.conftest import small_config
@@ -198,6 +203,10 @@ def test_documents_do_not_depend_on_block_size_or_start_line(messy_corpus, block
             assert docs == [d for d in whole if d[0] >= start], (cf.rel, start)
     tail = next(cf for cf in files["aa"] if cf.rel == "aa/tail.txt")
     assert read(tail, block=block_bytes) == ([(0, "no line end")], SkipStats(long_lines=1))
+    # read across blocks, a long line is held only up to the limit + 1 bytes that mark it
+    kept = [len(line) for b in iter_line_blocks(tail, 0, 4096, block_bytes)
+            for line in b.data.split(b"\n")]
+    assert max(kept) == 4097
     clean = next(cf for cf in files["aa"] if cf.rel == "aa/clean.txt")  # one decode per block
     assert read(clean, block=block_bytes) == ([(0, "one"), (2, "\ufefftwo"), (3, "three")],
                                               SkipStats(blank_lines=1))
