@@ -1,8 +1,8 @@
 """Peak memory and time of the MLM loss path, forward + backward, on CPU.
 
-    python bench/loss_memory.py --n 1024 --v 65536 --dtype fp32 --runs 3   # a few minutes
-    python bench/loss_memory.py --n 8192 --dtype bf16                       # hours on a CPU
-                                                                            # without bf16 GEMMs
+    python bench/loss_memory.py --n 8192 --dtype bf16 --runs 5  # minutes with AMX/AVX512-BF16
+    python bench/loss_memory.py --n 256 --dtype bf16 --no-mkldnn   # the no-AVX512 route
+    python bench/loss_memory.py --n 1024 --v 65536 --dtype fp32 --runs 3
 
 Variants, each in its own fresh subprocess so that one cannot inherit the other's peak:
   ours   linear_cross_entropy (chunked; torch path on CPU), all N rows with weight 1
@@ -16,16 +16,19 @@ returns (grad_weight alone is V x E in the input dtype, for both variants). Time
 forward + backward (no warm-up), wall clock. Linux only (VmRSS from /proc).
 
 Each variant runs --runs times (fresh processes); the median and the spread (min..max) are
-printed. glibc's allocator can make single runs disagree: after the first large free its mmap
-threshold rises (up to 32 MiB), so later buffers below it come from per-thread arenas that may
-keep their pages after a free. The children therefore run with a fixed MALLOC_MMAP_THRESHOLD_
-(1 MiB): every large buffer is mapped and returned on free, and the peak RSS is what was alive
-at once (--glibc-default keeps glibc's behaviour).
+printed. The children run with a fixed MALLOC_MMAP_THRESHOLD_ (1 MiB): every large buffer is
+mapped and returned on free, so the peak RSS is what was alive at once, not what glibc's
+per-thread arenas kept (--glibc-default keeps glibc's dynamic threshold).
 
 Next to the measurement, `ours_bound` adds up, by construction of the chunked path
-(kernels/cross_entropy.py), every buffer alive at its worst moment; the naive path needs
-3 N x V logits-sized tensors plus grad_weight. Their ratio is the memory advantage at any N, V,
-E and dtype without running it (bf16 at N = 8192 takes hours on a CPU without bf16 GEMMs).
+(kernels/cross_entropy.py), every buffer alive at its worst moment, on either CPU GEMM route
+for bf16: oneDNN's (CPUs with AVX512) or torch's fallback (without AVX512, or --no-mkldnn),
+which accumulates each bf16 product in an fp32 buffer of the product's full shape. The
+fallback is what made one bf16 run of the earlier loss measure 2.46 GiB instead of 1.02: its
+backward added every chunk's product into a V x E bf16 grad_weight (`addmm_`), so each call
+held a V x E fp32 buffer (1.55 GiB); the tiled backward's products are at most 2^25 elements.
+The naive path needs 3 N x V logits-sized tensors plus grad_weight on any route. The ratio of
+the two is the memory advantage at any N, V, E and dtype without running it.
 """
 
 from __future__ import annotations
@@ -67,13 +70,21 @@ def naive_estimate(n: int, v: int, e: int, itemsize: int) -> int:
     return 3 * n * v * itemsize + v * e * itemsize
 
 
-def ours_bound(n: int, v: int, e: int, itemsize: int) -> dict[str, int]:
-    """Bytes the chunked loss holds at its worst, term by term (torch path on CPU; the Triton
-    kernels on CUDA need no fp32 copies of a tile, so this bounds them too)."""
+def ours_bound(n: int, v: int, e: int, itemsize: int,
+               chunk_elements: int | None = None) -> dict[str, int]:
+    """Bytes the chunked loss holds at its worst moment, term by term (torch path on CPU; the
+    Triton kernels on CUDA need no fp32 copies of a tile, so this bounds them too).
+
+    In a reduced precision (bf16) two routes exist on CPU: oneDNN's GEMM (CPUs with AVX512)
+    writes the product directly; torch's fallback GEMM (no AVX512, or --no-mkldnn) first
+    accumulates the whole product in an fp32 buffer of the output's shape. Each phase below
+    counts that buffer, so the bound holds on both routes.
+    """
     from megatron_rembert.kernels.cross_entropy import choose_tiling
 
-    t = choose_tiling(v, e, None)
-    f32_copy = 4 if itemsize != 4 else 0  # `.float()` of a bf16 tile is a copy, of fp32 not
+    t = choose_tiling(v, e, None, chunk_elements)
+    rows_f, rows_b, block = min(t.forward_rows, n), min(t.backward_rows, n), min(t.vocab_block, v)
+    f32 = 4 if itemsize != 4 else 0  # fp32 copy of a bf16 tile, or the fallback GEMM's buffer
     persistent = {
         "grad_weight V x E": v * e * itemsize,
         "grad_bias (fp32 + cast)": v * (4 + itemsize),
@@ -81,24 +92,46 @@ def ours_bound(n: int, v: int, e: int, itemsize: int) -> dict[str, int]:
         "saved hidden + grad_hidden N x E": 2 * n * e * itemsize,
         "per-row vectors": n * 48,  # ids, targets, lse, sums, losses, upstream gradient
     }
+    # forward, per row chunk: the GEMM (logits + fallback buffer), then the softmax
+    # statistics (logits + fp32 copy + exp temporary); the worse of the two
     forward = {"forward logits chunk (+fp32 copy, exp temporary)":
-               t.forward_rows * v * (itemsize + f32_copy + 4)}
+               rows_f * v * (itemsize + max(f32, f32 + 4))}
+    # backward, per tile, beside the block's fp32 grad_weight accumulator and the tile itself:
+    # the softmax (fp32 copy of the tile), or the grad_hidden GEMM (product + fallback
+    # buffer), or the grad_weight GEMM (product + fallback buffer); one at a time
+    step = max(rows_b * block * f32, rows_b * e * (itemsize + f32), block * e * (itemsize + f32))
     backward = {
-        "backward tile (+fp32 copy)": t.backward_rows * t.vocab_block * (itemsize + f32_copy),
-        "block grad_weight fp32 + product": t.vocab_block * e * (4 + itemsize),
-        "grad_hidden product": t.backward_rows * e * itemsize,
+        "block grad_weight fp32 accumulator": block * e * 4,
+        "backward tile": rows_b * block * itemsize,
+        "worst step (tile's fp32 copy or a GEMM product + buffer)": step,
     }
     worst = forward if sum(forward.values()) > sum(backward.values()) else backward
     return {**persistent, **worst}
 
 
-def child(variant: str, n: int, v: int, e: int, dtype_name: str, threads: int) -> None:
+def gemm_route(no_mkldnn: bool) -> str:
+    """Which CPU GEMM a bf16 matmul takes in this process (see ours_bound)."""
+    import torch
+
+    cap = torch.backends.cpu.get_cpu_capability()
+    if not no_mkldnn and torch.backends.mkldnn.is_available() and cap.startswith("AVX512"):
+        return f"oneDNN (CPU capability {cap})"
+    return f"torch's fallback, fp32 buffer per product (CPU capability {cap}" + (
+        ", oneDNN disabled by --no-mkldnn)" if no_mkldnn else ")")
+
+
+def child(variant: str, n: int, v: int, e: int, dtype_name: str, threads: int,
+          no_mkldnn: bool, chunk_elements: int | None) -> None:
     import torch
     import torch.nn.functional as F
 
+    from megatron_rembert.kernels import cross_entropy
     from megatron_rembert.kernels.cross_entropy import linear_cross_entropy
 
+    if chunk_elements:
+        cross_entropy.CHUNK_ELEMENTS = chunk_elements
     torch.set_num_threads(threads)
+    torch.backends.mkldnn.enabled = not no_mkldnn
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     torch.manual_seed(0)
     # in-place init: no temporary larger than the tensor itself inflates the baseline
@@ -121,14 +154,19 @@ def child(variant: str, n: int, v: int, e: int, dtype_name: str, threads: int) -
     seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     print(json.dumps(dict(extra=peak - baseline, baseline=baseline, seconds=seconds,
-                          loss=float(loss))))
+                          loss=loss.item())))
 
 
-def run_variant(variant: str, args: argparse.Namespace) -> dict:
-    cmd = [sys.executable, __file__, "--child", variant, "--n", str(args.n), "--v", str(args.v),
-           "--e", str(args.e), "--dtype", args.dtype, "--threads", str(args.threads)]
+def run_variant(variant: str, n: int, v: int, e: int, dtype: str, threads: int = 2,
+                no_mkldnn: bool = False, glibc_default: bool = False,
+                chunk_elements: int | None = None) -> dict:
+    """One fresh child: {extra, baseline, seconds, loss} in bytes / s, or {error}."""
+    cmd = [sys.executable, __file__, "--child", variant, "--n", str(n), "--v", str(v),
+           "--e", str(e), "--dtype", dtype, "--threads", str(threads)]
+    cmd += ["--no-mkldnn"] if no_mkldnn else []
+    cmd += ["--chunk-elements", str(chunk_elements)] if chunk_elements else []
     env = dict(os.environ)
-    if not args.glibc_default:
+    if not glibc_default:
         env["MALLOC_MMAP_THRESHOLD_"] = str(2**20)  # fixed: large buffers go back on free
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode < 0:
@@ -149,19 +187,28 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3, help="fresh processes per variant")
     p.add_argument("--glibc-default", action="store_true",
                    help="keep glibc's dynamic mmap threshold in the children (see above)")
+    p.add_argument("--no-mkldnn", action="store_true",
+                   help="children run with oneDNN disabled: bf16 GEMMs take torch's fallback, "
+                        "the route on CPUs without AVX512 (slow: ~4 GFLOP/s)")
+    p.add_argument("--chunk-elements", type=int, default=None,
+                   help="tile budget of the chunked loss in elements (default: the library's "
+                        "CHUNK_ELEMENTS, 2^25)")
     p.add_argument("--child", choices=["ours", "naive"], help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        child(args.child, args.n, args.v, args.e, args.dtype, args.threads)
+        child(args.child, args.n, args.v, args.e, args.dtype, args.threads, args.no_mkldnn,
+              args.chunk_elements)
         return
 
     item = DTYPES[args.dtype]
     print(f"MLM loss fwd+bwd on CPU: N={args.n} V={args.v} E={args.e} dtype={args.dtype} "
           f"threads={args.threads}")
+    if args.dtype != "fp32":
+        print(f"{args.dtype} GEMM route: {gemm_route(args.no_mkldnn)}")
     print(f"one N x V logits tensor = {args.n * args.v * item / GIB:.2f} GiB; "
           f"grad_weight (V x E, part of both) = {args.v * args.e * item / GIB:.2f} GiB")
     print("extra peak = child's peak RSS (ru_maxrss) - its RSS after allocating the inputs")
-    bound = ours_bound(args.n, args.v, args.e, item)
+    bound = ours_bound(args.n, args.v, args.e, item, args.chunk_elements)
     naive_need = naive_estimate(args.n, args.v, args.e, item)
     print(f"ours by construction: {sum(bound.values()) / GIB:.3f} GiB at most (" + ", ".join(
         f"{k} {b / GIB:.3f}" for k, b in bound.items()) + ")")
@@ -174,7 +221,10 @@ def main() -> None:
             results[variant] = [dict(error=f"skipped: needs ~{need / GIB:.1f} GiB, "
                                            f"{mem_available() / GIB:.1f} GiB available")]
             continue
-        results[variant] = [run_variant(variant, args) for _ in range(args.runs)]
+        results[variant] = [
+            run_variant(variant, args.n, args.v, args.e, args.dtype, args.threads,
+                        args.no_mkldnn, args.glibc_default, args.chunk_elements)
+            for _ in range(args.runs)]
     print(f"\n{'variant':<8} {'extra peak GiB: median':>22} {'min':>7} {'max':>7} "
           f"{'time s':>8} {'loss':>10}")
     medians = {}

@@ -213,13 +213,14 @@ def default_vocab_block(v_local: int, e: int, budget: int | None = None) -> int:
     return max(1, min(v_local, _rows_within(budget or CHUNK_ELEMENTS, e)))
 
 
-def choose_tiling(v_local: int, e: int, chunk_size: int | None) -> Tiling:
+def choose_tiling(v_local: int, e: int, chunk_size: int | None,
+                  budget: int | None = None) -> Tiling:
     """An explicit chunk_size is the rows per chunk of both passes. By default each pass
-    takes as many rows as fit the budget at its tile width: backward tiles are narrower
-    (vocab_block < V_local for large vocabularies), so they take more rows."""
-    block = default_vocab_block(v_local, e)
-    return Tiling(chunk_size or default_chunk_size(v_local),
-                  chunk_size or default_chunk_size(block), block)
+    takes as many rows as fit the budget (CHUNK_ELEMENTS) at its tile width: backward tiles
+    are narrower (vocab_block < V_local for large vocabularies), so they take more rows."""
+    block = default_vocab_block(v_local, e, budget)
+    return Tiling(chunk_size or default_chunk_size(v_local, budget),
+                  chunk_size or default_chunk_size(block, budget), block)
 
 
 # ---------------------------------------------------------------- autograd Function
