@@ -10,7 +10,7 @@ Variants, each in its own fresh subprocess so that one cannot inherit the other'
 
 What is measured: in the child, after the inputs (hidden N x E, W V x E, b V, targets) are
 allocated and touched, the current resident set size (VmRSS) is the baseline; after one
-forward + backward the child's peak resident set size (ru_maxrss) minus that baseline is the
+forward + backward the child's peak resident set size (VmHWM) minus that baseline is the
 "extra peak": every byte the loss path held at its worst moment, including the gradients it
 returns (grad_weight alone is V x E in the input dtype, for both variants). Time is one cold
 forward + backward (no warm-up), wall clock. Linux only (VmRSS from /proc).
@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -48,12 +47,23 @@ GIB = 2**30
 DTYPES = {"fp32": 4, "bf16": 2}
 
 
-def rss_bytes() -> int:
+def status_bytes(field: str) -> int:
+    """VmRSS (resident now) or VmHWM (this address space's peak) from /proc/self/status."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError("VmRSS not found in /proc/self/status (this bench needs Linux)")
+    raise RuntimeError(f"{field} not found in /proc/self/status (this bench needs Linux)")
+
+
+def reset_peak() -> None:
+    """Start VmHWM again from the current RSS (Linux >= 4.0); where refused, VmHWM keeps the
+    process's peak so far, which only the imports and the inputs have set."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 def mem_available() -> int:
@@ -96,12 +106,16 @@ def ours_bound(n: int, v: int, e: int, itemsize: int,
     # statistics (logits + fp32 copy + exp temporary); the worse of the two
     forward = {"forward logits chunk (+fp32 copy, exp temporary)":
                rows_f * v * (itemsize + max(f32, f32 + 4))}
-    # backward, per tile, beside the block's fp32 grad_weight accumulator and the tile itself:
-    # the softmax (fp32 copy of the tile), or the grad_hidden GEMM (product + fallback
-    # buffer), or the grad_weight GEMM (product + fallback buffer); one at a time
-    step = max(rows_b * block * f32, rows_b * e * (itemsize + f32), block * e * (itemsize + f32))
+    # backward, per tile, beside the tile itself and the block's grad_weight sum: the softmax
+    # (fp32 copy of the tile), or the grad_hidden GEMM (product + fallback buffer), or the
+    # grad_weight GEMM (product + fallback buffer); one at a time. In fp32 the GEMMs add into
+    # the gradients in place, and so does a bf16 block covered by one row chunk: no sum buffer.
+    one_product = itemsize == 4 or n <= t.backward_rows
+    reduced = itemsize != 4
+    step = max(rows_b * block * f32, reduced * rows_b * e * (itemsize + f32),
+               reduced * block * e * (itemsize + f32))
     backward = {
-        "block grad_weight fp32 accumulator": block * e * 4,
+        "block grad_weight fp32 sum": 0 if one_product else block * e * 4,
         "backward tile": rows_b * block * itemsize,
         "worst step (tile's fp32 copy or a GEMM product + buffer)": step,
     }
@@ -140,7 +154,8 @@ def child(variant: str, n: int, v: int, e: int, dtype_name: str, threads: int,
     bias = torch.zeros(v, dtype=dtype).requires_grad_()  # V
     targets = torch.randint(0, v, (n,))  # N
     weights = torch.ones(n)  # N
-    baseline = rss_bytes()
+    reset_peak()
+    baseline = status_bytes("VmRSS")
 
     start = time.perf_counter()
     if variant == "ours":
@@ -152,7 +167,9 @@ def child(variant: str, n: int, v: int, e: int, dtype_name: str, threads: int,
         loss = F.cross_entropy(torch.addmm(bias, hidden, weight.t()), targets)
     loss.backward()
     seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    # not getrusage's ru_maxrss: Linux carries it over from the parent through fork + exec, so
+    # a child of a large process (a test runner) would report the parent's size
+    peak = status_bytes("VmHWM")
     print(json.dumps(dict(extra=peak - baseline, baseline=baseline, seconds=seconds,
                           loss=loss.item())))
 
@@ -207,7 +224,7 @@ def main() -> None:
         print(f"{args.dtype} GEMM route: {gemm_route(args.no_mkldnn)}")
     print(f"one N x V logits tensor = {args.n * args.v * item / GIB:.2f} GiB; "
           f"grad_weight (V x E, part of both) = {args.v * args.e * item / GIB:.2f} GiB")
-    print("extra peak = child's peak RSS (ru_maxrss) - its RSS after allocating the inputs")
+    print("extra peak = child's peak RSS (VmHWM) - its RSS after allocating the inputs")
     bound = ours_bound(args.n, args.v, args.e, item, args.chunk_elements)
     naive_need = naive_estimate(args.n, args.v, args.e, item)
     print(f"ours by construction: {sum(bound.values()) / GIB:.3f} GiB at most (" + ", ".join(

@@ -256,28 +256,45 @@ def _backward_tiles(s: _Saved, tiling: Tiling, need: tuple[bool, bool, bool]
                     ) -> tuple[torch.Tensor | None, ...]:
     """grad_h (N_act x E fp32), grad_w (V_local x E, weight dtype), grad_b (V_local fp32).
 
-    Each tile's matmul accumulates in fp32 and rounds its product once to the input dtype;
-    the products are then summed in fp32, so the error does not grow with the tile count.
+    Every gradient is summed in fp32. In fp32 the GEMMs accumulate straight into the
+    gradients (`addmm_`: no product tensor, no separate accumulator). In a reduced precision
+    each tile's GEMM accumulates in fp32 and rounds its product once to the input dtype; the
+    products are summed in fp32 buffers (grad_hidden, one vocabulary block of grad_weight), so
+    the error does not grow with the tile count. A block covered by one row chunk (few masked
+    rows) has one product: it goes straight into grad_weight, which is the same rounding.
     """
     (n_act, e), v_local = s.h.shape, s.weight.shape[0]
     f32 = dict(dtype=torch.float32, device=s.h.device)
+    exact = s.h.dtype == torch.float32  # fp32 products need no separate fp32 sum
     grad_h = torch.zeros(n_act, e, **f32) if need[0] else None  # N_act x E, over blocks
     grad_w = torch.empty_like(s.weight) if need[1] else None  # V_local x E
     grad_b = torch.zeros(v_local, **f32) if need[2] else None  # V_local
+    chunks = [slice(lo, min(lo + tiling.backward_rows, n_act))
+              for lo in range(0, n_act, tiling.backward_rows)] or [slice(0, 0)]
     for v0 in range(0, v_local, tiling.vocab_block):
         cols = slice(v0, min(v0 + tiling.vocab_block, v_local))
-        block_w = torch.zeros(cols.stop - v0, e, **f32) if need[1] else None  # Vb x E
-        for lo in range(0, n_act, tiling.backward_rows):
-            rows = slice(lo, min(lo + tiling.backward_rows, n_act))
+        out_w = None  # where this block's grad_weight is summed: grad_w itself or fp32
+        if grad_w is not None:
+            direct = exact or len(chunks) == 1
+            out_w = grad_w[cols] if direct else torch.zeros(cols.stop - v0, e, **f32)  # Vb x E
+        for i, rows in enumerate(chunks):
             dlogits = _grad_logits(s, rows, cols)  # C x Vb
             if grad_h is not None:
-                grad_h[rows] += dlogits @ s.weight[cols]  # C x E
-            if block_w is not None:
-                block_w += dlogits.t() @ s.h[rows]  # Vb x E
+                if exact:
+                    grad_h[rows].addmm_(dlogits, s.weight[cols])  # C x E
+                else:
+                    grad_h[rows] += dlogits @ s.weight[cols]  # C x E
+            if out_w is not None:
+                if i == 0 and out_w.dtype == dlogits.dtype:
+                    torch.mm(dlogits.t(), s.h[rows], out=out_w)  # Vb x E, first product
+                elif exact:
+                    out_w.addmm_(dlogits.t(), s.h[rows])
+                else:
+                    out_w += dlogits.t() @ s.h[rows]
             if grad_b is not None:
                 grad_b[cols] += dlogits.sum(dim=0, dtype=torch.float32)  # Vb
-        if grad_w is not None:
-            grad_w[cols] = block_w  # rounded once to the weight's dtype
+        if out_w is not None and out_w.data_ptr() != grad_w[cols].data_ptr():
+            grad_w[cols] = out_w  # rounded once to the weight's dtype
     return grad_h, grad_w, grad_b
 
 

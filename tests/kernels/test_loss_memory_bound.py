@@ -3,8 +3,9 @@ bf16 on the CPU GEMM route that once broke it: torch's fallback GEMM (CPUs witho
 forced here by disabling oneDNN) accumulates each bf16 product in an fp32 buffer of the
 product's full shape. The loss before the tiled backward added every chunk's product into the
 V x E grad_weight, so each such call held a V x E fp32 buffer: 2.4 GiB instead of about 1 at
-rembert's head. Small tiles (a 2^20-element budget) give many vocabulary blocks at a shape
-that runs in seconds, where a V x E fp32 buffer is larger than the whole bound."""
+rembert's head. Small tiles (a 2^20-element budget) give many vocabulary blocks at shapes that
+run in seconds, where a V x E fp32 buffer is larger than the whole bound: one row chunk (its
+product goes straight into grad_weight) and two (products summed in an fp32 block)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-N, V, E, BUDGET = 32, 8192, 1664, 2**20
+BUDGET = 2**20
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,14 @@ def bench() -> ModuleType:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_bf16_peak_within_the_bound_on_the_fallback_gemm(bench: ModuleType) -> None:
+@pytest.mark.parametrize(("N", "V", "E", "chunks"), [(32, 8192, 1664, 1), (128, 81920, 64, 2)])
+def test_bf16_peak_within_the_bound_on_the_fallback_gemm(
+    bench: ModuleType, N: int, V: int, E: int, chunks: int  # noqa: N803 - the docs' names
+) -> None:
+    from megatron_rembert.kernels.cross_entropy import choose_tiling
+
+    tiling = choose_tiling(V, E, None, BUDGET)
+    assert -(-N // tiling.backward_rows) == chunks and V > 4 * tiling.vocab_block
     def extra(n: int, v: int, e: int) -> int:
         run = bench.run_variant("ours", n, v, e, "bf16", threads=2, no_mkldnn=True,
                                 chunk_elements=BUDGET)
