@@ -29,6 +29,7 @@ import multiprocessing as mp
 import os
 import re
 import shutil
+import threading
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,6 +157,39 @@ def _worker_context():
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([__name__])
     return ctx
+
+
+class _Done:
+    """A result computed in this process, with the AsyncResult method ordered_map uses."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def get(self):
+        return self.value
+
+
+class _PoolStarter:
+    """Starts the worker pool in a thread: the fork server's start (importing this module,
+    ~0.3 s) is not waited for; blocks submitted before the pool is up are tokenized in this
+    process. Who tokenizes a block does not change its tokens."""
+
+    def __init__(self, cfg: PreprocessConfig):
+        self._pool = None
+        self._thread = threading.Thread(target=self._start, args=(cfg,), daemon=True)
+        self._thread.start()
+
+    def _start(self, cfg: PreprocessConfig) -> None:
+        self._pool = _worker_context().Pool(cfg.workers, _init_worker, (cfg.tokenizer,))
+
+    def ready(self):
+        """The pool once started, else None."""
+        return self._pool
+
+    def close(self) -> None:
+        self._thread.join()
+        if self._pool is not None:
+            self._pool.terminate()
 
 
 def valid_docs(rel: str, lines: list[int], fraction: float) -> list[bool]:
@@ -321,24 +355,13 @@ def preprocess(cfg: PreprocessConfig) -> dict:
     atomic_write(out / WORD_STARTS, lambda f: np.save(f, word_start_table(sp)))
     total = sum(f.size for fs in files_by_lang.values() for f in fs)
     bar = ProgressBar(total, "preprocess", enabled=cfg.progress)
-    pool = None
-    if cfg.workers > 0:
-        pool = _worker_context().Pool(cfg.workers, _init_worker, (cfg.tokenizer,))
+    pool = _PoolStarter(cfg) if cfg.workers > 0 else None
+    _init_worker(cfg.tokenizer)  # this process tokenizes until the pool is up (or, at 0, always)
 
-        def submit(*args):
-            return pool.apply_async(_tokenize, args)
-    else:
-        _init_worker(cfg.tokenizer)
+    def submit(*args):
+        ready = pool.ready() if pool is not None else None
+        return ready.apply_async(_tokenize, args) if ready else _Done(_tokenize(*args))
 
-        class _Done:
-            def __init__(self, v):
-                self.v = v
-
-            def get(self):
-                return self.v
-
-        def submit(*args):
-            return _Done(_tokenize(*args))
     try:
         langs, before = {}, 0
         for lang, files in files_by_lang.items():
@@ -347,7 +370,7 @@ def preprocess(cfg: PreprocessConfig) -> dict:
             before += sum(f.size for f in files)
     finally:
         if pool is not None:
-            pool.terminate()
+            pool.close()
         bar.close()
     manifest = _build_manifest(cfg, sp, tok_sha, ids, langs, stats, out)
     atomic_write_json(out / MANIFEST, manifest)
