@@ -94,7 +94,8 @@ def ours_bound(n: int, v: int, e: int, itemsize: int,
 
     t = choose_tiling(v, e, None, chunk_elements)
     rows_f, rows_b, block = min(t.forward_rows, n), min(t.backward_rows, n), min(t.vocab_block, v)
-    f32 = 4 if itemsize != 4 else 0  # fp32 copy of a bf16 tile, or the fallback GEMM's buffer
+    reduced = itemsize != 4
+    f32 = 4 if reduced else 0  # fp32 copy of a bf16 tile, or the fallback GEMM's buffer
     persistent = {
         "grad_weight V x E": v * e * itemsize,
         "grad_bias (fp32 + cast)": v * (4 + itemsize),
@@ -103,15 +104,14 @@ def ours_bound(n: int, v: int, e: int, itemsize: int,
         "per-row vectors": n * 48,  # ids, targets, lse, sums, losses, upstream gradient
     }
     # forward, per row chunk: the GEMM (logits + fallback buffer), then the softmax
-    # statistics (logits + fp32 copy + exp temporary); the worse of the two
+    # statistics (logits + fp32 copy + exp temporary), the larger of the two
     forward = {"forward logits chunk (+fp32 copy, exp temporary)":
-               rows_f * v * (itemsize + max(f32, f32 + 4))}
+               rows_f * v * (itemsize + f32 + 4)}
     # backward, per tile, beside the tile itself and the block's grad_weight sum: the softmax
     # (fp32 copy of the tile), or the grad_hidden GEMM (product + fallback buffer), or the
     # grad_weight GEMM (product + fallback buffer); one at a time. In fp32 the GEMMs add into
     # the gradients in place, and so does a bf16 block covered by one row chunk: no sum buffer.
-    one_product = itemsize == 4 or n <= t.backward_rows
-    reduced = itemsize != 4
+    one_product = not reduced or n <= t.backward_rows
     step = max(rows_b * block * f32, reduced * rows_b * e * (itemsize + f32),
                reduced * block * e * (itemsize + f32))
     backward = {

@@ -176,14 +176,21 @@ class _PoolStarter:
 
     def __init__(self, cfg: PreprocessConfig):
         self._pool = None
+        self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._start, args=(cfg,), daemon=True)
         self._thread.start()
 
     def _start(self, cfg: PreprocessConfig) -> None:
-        self._pool = _worker_context().Pool(cfg.workers, _init_worker, (cfg.tokenizer,))
+        try:
+            self._pool = _worker_context().Pool(cfg.workers, _init_worker, (cfg.tokenizer,))
+        except BaseException as e:  # noqa: BLE001 - raised in the main thread by ready()
+            self._error = e
 
     def ready(self):
-        """The pool once started, else None."""
+        """The pool once started, else None; a failed start raises here, as it did when the
+        pool was made in the main thread."""
+        if self._error is not None:
+            raise self._error
         return self._pool
 
     def close(self) -> None:

@@ -273,10 +273,11 @@ def _backward_tiles(s: _Saved, tiling: Tiling, need: tuple[bool, bool, bool]
               for lo in range(0, n_act, tiling.backward_rows)] or [slice(0, 0)]
     for v0 in range(0, v_local, tiling.vocab_block):
         cols = slice(v0, min(v0 + tiling.vocab_block, v_local))
-        out_w = None  # where this block's grad_weight is summed: grad_w itself or fp32
+        # where this block's grad_weight is summed: in grad_w itself, or in fp32 (Vb x E)
+        direct = exact or len(chunks) == 1
+        out_w = None
         if grad_w is not None:
-            direct = exact or len(chunks) == 1
-            out_w = grad_w[cols] if direct else torch.zeros(cols.stop - v0, e, **f32)  # Vb x E
+            out_w = grad_w[cols] if direct else torch.zeros(cols.stop - v0, e, **f32)
         for i, rows in enumerate(chunks):
             dlogits = _grad_logits(s, rows, cols)  # C x Vb
             if grad_h is not None:
@@ -285,7 +286,7 @@ def _backward_tiles(s: _Saved, tiling: Tiling, need: tuple[bool, bool, bool]
                 else:
                     grad_h[rows] += dlogits @ s.weight[cols]  # C x E
             if out_w is not None:
-                if i == 0 and out_w.dtype == dlogits.dtype:
+                if i == 0 and direct:
                     torch.mm(dlogits.t(), s.h[rows], out=out_w)  # Vb x E, first product
                 elif exact:
                     out_w.addmm_(dlogits.t(), s.h[rows])
@@ -293,7 +294,7 @@ def _backward_tiles(s: _Saved, tiling: Tiling, need: tuple[bool, bool, bool]
                     out_w += dlogits.t() @ s.h[rows]
             if grad_b is not None:
                 grad_b[cols] += dlogits.sum(dim=0, dtype=torch.float32)  # Vb
-        if out_w is not None and out_w.data_ptr() != grad_w[cols].data_ptr():
+        if out_w is not None and not direct:
             grad_w[cols] = out_w  # rounded once to the weight's dtype
     return grad_h, grad_w, grad_b
 

@@ -38,6 +38,7 @@ def test_bf16_peak_within_the_bound_on_the_fallback_gemm(
 
     tiling = choose_tiling(V, E, None, BUDGET)
     assert -(-N // tiling.backward_rows) == chunks and V > 4 * tiling.vocab_block
+
     def extra(n: int, v: int, e: int) -> int:
         run = bench.run_variant("ours", n, v, e, "bf16", threads=2, no_mkldnn=True,
                                 chunk_elements=BUDGET)
