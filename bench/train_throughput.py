@@ -13,7 +13,9 @@ same batches, same process, measured side by side:
 The ratio ours / hf is printed last.
 
 On a GPU it also reports tokens/s, TFLOP/s and MFU of the `rembert` preset (bf16, our model and
-torch's fused AdamW). `--gpu-only` skips the CPU comparison; that part needs only torch and
+torch's fused AdamW), with attention on the flash path (unpadded batches: SDPA without a mask)
+and on the masked path (the all-ones mask passed on, as before the flash path), and their
+ratio. `--gpu-only` skips the CPU comparison; that part needs only torch and
 triton (no DeepSpeed, transformers or PyYAML), so it runs on a bare GPU image. `--trainer`
 measures the trainer's real step instead (DeepSpeed, bf16 + ds_configs/zero1_bf16.json,
 gradient accumulation, one GPU), with its peak memory against train.py --dry-run's estimate.
@@ -25,6 +27,7 @@ gradient accumulation, one GPU), with its peak memory against train.py --dry-run
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -32,6 +35,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -46,10 +50,12 @@ def bench_config() -> ModelConfig:
                        output_embedding_size=1664)
 
 
-def make_batch(config: ModelConfig, batch: int, seq: int, seed: int, device) -> dict:
-    """Random tokens, 15% of positions masked (fixed width P, all slots used)."""
+def make_batch(config: ModelConfig, batch: int, seq: int, seed: int, device,
+               predictions: int | None = None) -> dict:
+    """Random tokens, `predictions` positions masked (default 15%; fixed width P, all slots
+    used)."""
     g = torch.Generator().manual_seed(seed)
-    predictions = max(1, round(0.15 * seq))
+    predictions = predictions or max(1, round(0.15 * seq))
     ids = torch.randint(5, config.vocab_size, (batch, seq), generator=g)
     positions = torch.stack([torch.randperm(seq, generator=g)[:predictions]
                              for _ in range(batch)])
@@ -161,9 +167,11 @@ def deepspeed_step_time(config: ModelConfig, batches: list[dict]) -> float:
 
 
 def preset_throughput(preset: str, batch: int, seq: int, steps: int,
-                      device: torch.device) -> dict:
+                      device: torch.device, unpadded: bool = True) -> dict:
     """One preset trained in bf16 with torch's fused AdamW: tokens/s, model TFLOP/s (the
-    summary CLI's FLOPs), MFU where the GPU's peak is known, peak memory."""
+    summary CLI's FLOPs), MFU where the GPU's peak is known, peak memory. `unpadded`: the
+    batches say they hold no padding (attention without a mask: FlashAttention on CUDA), else
+    they carry their all-ones mask to attention as before the flash path."""
     from megatron_rembert.training.metrics import memory_gib, peak_flops
 
     config = get_preset(preset)
@@ -172,6 +180,8 @@ def preset_throughput(preset: str, batch: int, seq: int, steps: int,
     model = model.to(torch.bfloat16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     batches = [make_batch(config, batch, seq, s, device) for s in range(steps + 1)]
+    for b in batches:
+        b["unpadded"].fill_(int(unpadded))
 
     def step(b):
         optimizer.zero_grad(set_to_none=True)
@@ -235,13 +245,46 @@ def gpu_trainer(args) -> None:
           + f"); measured / estimate {r['memory_gib'] / estimate:.2f}")
 
 
+def attention_paths(batch: int, seq: int, config: ModelConfig, repeats: int = 20) -> None:
+    """Attention alone at the preset's shapes, forward + backward ms: SDPA without a mask (what
+    the flash path calls; also forced to FlashAttention, which raises if the call is not
+    eligible) against SDPA with the all-ones boolean mask (which FlashAttention refuses)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    heads, dim = config.num_attention_heads, config.head_dim
+    q, k, v = (torch.randn(batch, heads, seq, dim, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=True) for _ in range(3))
+    mask = torch.ones(batch, 1, 1, seq, device="cuda", dtype=torch.bool)
+    grad = torch.randn_like(q)
+    variants = {"no mask (auto)": (None, None), "no mask, FLASH forced": (None, "flash"),
+                "all-ones mask (auto)": (mask, None)}
+    for name, (attn_mask, forced) in variants.items():
+        def step(_, attn_mask=attn_mask, forced=forced):
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION) if forced else contextlib.nullcontext():
+                F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask).backward(grad)
+        try:
+            ms = 1e3 * timed(step, [None] * (repeats + 1), torch.cuda.synchronize)
+            print(f"  attention {batch}x{heads}x{seq}x{dim} bf16 fwd+bwd, {name}: {ms:.3f} ms")
+        except RuntimeError as exc:
+            print(f"  attention, {name}: not available ({str(exc).splitlines()[0][:120]})")
+
+
 def gpu_rembert(args) -> None:
-    """tokens/s, TFLOP/s and MFU of the rembert preset on one GPU (bf16, fused AdamW)."""
-    r = preset_throughput("rembert", args.gpu_batch, 512, args.steps, torch.device("cuda"))
-    mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a (GPU not in the peak table)"
-    print(f"GPU {torch.cuda.get_device_name()}: rembert, batch {args.gpu_batch} x 512, bf16: "
-          f"{r['tokens_per_s']:,.0f} tokens/s, {r['tflops']:.1f} TFLOP/s, MFU {mfu}, "
-          f"peak memory {r['memory_gib']:.1f} GiB")
+    """tokens/s, TFLOP/s and MFU of the rembert preset on one GPU (bf16, fused AdamW), with
+    attention on the flash path (unpadded batches, no mask) and on the masked path."""
+    results = {}
+    for name, unpadded in (("flash", True), ("masked", False)):
+        r = results[name] = preset_throughput("rembert", args.gpu_batch, 512, args.steps,
+                                              torch.device("cuda"), unpadded)
+        torch.cuda.empty_cache()  # the model of this run is gone; the next one starts afresh
+        torch.cuda.reset_peak_memory_stats()
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a (GPU not in the peak table)"
+        print(f"GPU {torch.cuda.get_device_name()}: rembert, batch {args.gpu_batch} x 512, "
+              f"bf16, {name} attention: {r['tokens_per_s']:,.0f} tokens/s, "
+              f"{r['tflops']:.1f} TFLOP/s, MFU {mfu}, peak memory {r['memory_gib']:.1f} GiB")
+    print(f"flash / masked tokens/s: "
+          f"{results['flash']['tokens_per_s'] / results['masked']['tokens_per_s']:.3f}x")
+    attention_paths(args.gpu_batch, 512, get_preset("rembert"))
 
 
 def main() -> None:

@@ -52,7 +52,8 @@ class ParallelConfig:
     stage_memory_gib: float = 0.0
     # A collective waiting longer than this fails, naming each rank's step and instruction
     timeout_minutes: float = 10.0
-    # auto: nccl on GPUs, gloo on CPUs; gloo on GPUs lets several ranks share one GPU (checks)
+    # auto: nccl on GPUs, gloo on CPUs; gloo on GPUs lets several ranks share one GPU (checks;
+    # not with pp > 1: gloo sends CPU tensors only)
     backend: str = "auto"
 
 

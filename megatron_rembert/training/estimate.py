@@ -87,22 +87,29 @@ def _activation_bytes(config: Config, layout: Layout) -> list[float]:
     """Bytes one micro-batch leaves in memory per pipeline layer until its backward.
 
     Transformer layers follow Korthikanti et al. 2022 ("Reducing activation recomputation"),
-    without sequence parallelism: s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes in 16-bit, doubled
-    for fp32; with activation checkpointing only the layer input (2*s*b*h) is kept. The
-    embedding keeps its E_in and H outputs, the head its P gathered rows (H, E_out twice).
+    without sequence parallelism: s*b*h*(10 + 24/t) bytes in 16-bit, doubled for fp32, plus
+    the attention's S x S tensors, 5*a*s*s*b/t bytes (scores, probabilities, dropout mask),
+    which only the `fused_softmax` backend stores: SDPA's fused kernels (FlashAttention and
+    memory-efficient attention on CUDA, the flash kernel on CPU) keep one fp32 logsumexp per
+    row instead (4*a*s*b/t bytes; measured on an H200: the rembert trainer's peak is 28.6 GiB,
+    and counting the S x S tensors estimated 44.6). With activation checkpointing only the
+    layer input (2*s*b*h) is kept. The embedding keeps its E_in and H outputs, the head its P
+    gathered rows (H, E_out twice).
     """
     m, tp = config.model, layout.tp
     s, b, h, a = config.data.seq_length, layout.micro_batch_size, m.hidden_size, \
         m.num_attention_heads
     scale = 1 if config.train.precision in ("bf16", "fp16") else 2
+    attention = (5 * a * s * s * b if m.attention_backend == "fused_softmax"
+                 else 4 * a * s * b / scale)  # the logsumexp is fp32 in either precision
     layer = 2 * s * b * h if config.parallel.activation_checkpointing else \
-        s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
+        s * b * h * (10 + 24 / tp) + attention / tp
     embedding = 2 * s * b * (m.input_embedding_size + h)
-    head = 2 * b * _predictions(config) * (h + 2 * m.output_embedding_size)
+    head = 2 * b * predictions_per_sequence(config) * (h + 2 * m.output_embedding_size)
     return [scale * x for x in [embedding] + [layer] * m.num_hidden_layers + [head]]
 
 
-def _predictions(config: Config) -> int:
+def predictions_per_sequence(config: Config) -> int:
     """P, the masked slots per sequence the head runs on: as the loader sizes them, from the
     largest mask rate of the schedule and validation."""
     data = config.data
@@ -116,7 +123,8 @@ def stage_plan(config: Config, layout: Layout) -> StagePlan:
     boundaries; `--dry-run` prints them."""
     m, pp = config.model, layout.pp
     flops = [x * layout.micro_batch_size / layout.tp for x in pipeline_layer_flops(
-        m, config.data.seq_length, _predictions(config), config.parallel.activation_checkpointing)]
+        m, config.data.seq_length, predictions_per_sequence(config),
+        config.parallel.activation_checkpointing)]
     params = [c / layout.tp for c in pipeline_layer_costs(m)]
     per_param = _bytes_per_parameter(config, layout)
     static = [p * sum(per_param.values()) for p in params]
@@ -206,7 +214,8 @@ def phase_table(config: Config) -> str:
           f"{decay_start}, {optim.decay} decay to {optim.min_lr:g} at {config.train.steps}"
           if optim.decay != "constant" else
           f"learning rate: warm-up 0-{optim.warmup_steps}, then {optim.lr:g} constant")
-    rate, width = max(schedule.max_mask_prob, config.eval.mask_prob), _predictions(config)
+    rate = max(schedule.max_mask_prob, config.eval.mask_prob)
+    width = predictions_per_sequence(config)
     return "\n".join([f"schedule by phase (steps; P = {width} masked slots for the largest "
                       f"mask rate, {rate:g}; validation at {config.eval.mask_prob:g}):",
                       format_table(["phase", "steps", "mask rate", "alpha",

@@ -56,6 +56,9 @@ def setup_distributed(timeout_minutes: float = 10.0, backend: str = "auto"
               else torch.device("cpu"))
     if cuda:
         torch.cuda.set_device(device)
+        # DeepSpeed takes LOCAL_RANK as the GPU index (engine, pipeline module): where ranks
+        # share GPUs, it must name the GPU this rank uses.
+        os.environ["LOCAL_RANK"] = str(device.index)
     if backend == "auto":
         backend = "nccl" if cuda else "gloo"
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -64,6 +67,14 @@ def setup_distributed(timeout_minutes: float = 10.0, backend: str = "auto"
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")
     timeout = comm.set_default_timeout(timeout_minutes)
+    if not dist.is_initialized():
+        # Our own init, which DeepSpeed's then leaves alone: DeepSpeed binds every rank to
+        # cuda:LOCAL_RANK, which does not exist where ranks share GPUs. NCCL ranks are bound
+        # to their GPU (eager communicator setup); gloo ranks to none.
+        world = int(os.environ["WORLD_SIZE"])
+        bind = cuda and backend == "nccl" and world > 1
+        dist.init_process_group(backend, timeout=timeout, rank=int(os.environ["RANK"]),
+                                world_size=world, device_id=device if bind else None)
     deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
     comm.set_device(device)
     return dist.get_rank(), dist.get_world_size(), device
@@ -77,6 +88,11 @@ def check_inputs(config: Config, world_size: int, device: torch.device, rank: in
     layout = validate_config(config, world_size, rank)
     if layout.pp > 1:
         stage_plan(config, layout)  # a stage memory cap no split meets fails here, not later
+        if device.type == "cuda" and config.parallel.backend == "gloo":
+            raise ConfigError("parallel.backend=gloo with parallel.pp>1 on GPUs: gloo's "
+                              "send/recv between pipeline stages take CPU tensors only (a "
+                              "CUDA tensor aborts the process); use parallel.backend=nccl "
+                              "(auto), one rank per GPU")
     if config.train.precision == "fp16" and device.type != "cuda":
         from deepspeed.accelerator import get_accelerator
 

@@ -254,3 +254,14 @@ def test_larger_model_vocab_needs_allow_larger_vocab(tiny_dataset):
         check_inputs(_tiny(tiny_dataset, "model.vocab_size=800", "data.allow_larger_vocab=true"),
                      1, torch.device("cpu"))
     assert "allow_larger_vocab" not in str(err.value)
+
+
+def test_gloo_pipeline_on_gpus_is_refused(tiny_dataset):
+    """Seen on an H200: DeepSpeed's pipeline send of a CUDA tensor through gloo aborts the
+    process (gloo writes from the device pointer); refused before any work instead. Only the
+    device's type is read: no GPU is needed."""
+    config = _tiny(tiny_dataset, "parallel.pp=2", "parallel.backend=gloo")
+    with pytest.raises(ConfigError, match="parallel.backend=gloo with parallel.pp>1 on GPUs"):
+        check_inputs(config, 2, torch.device("cuda", 0))
+    check_inputs(config, 2, torch.device("cpu"))  # gloo on CPUs is how the tests run
+    check_inputs(_tiny(tiny_dataset, "parallel.pp=2"), 2, torch.device("cuda", 0))

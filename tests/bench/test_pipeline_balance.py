@@ -1,0 +1,36 @@
+"""bench/pipeline_balance.py on CPU: the stages it times are the partitions the trainer and
+earlier versions build, and a stage's time is the sum of its layers' times."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+from megatron_rembert.run_config import load_config, validate_config
+from megatron_rembert.training.estimate import parameter_balanced_boundaries, stage_plan
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import pipeline_balance  # noqa: E402
+
+
+def test_stage_times_sum_their_layers():
+    assert pipeline_balance.stages([0, 2, 5], [1.0, 2.0, 3.0, 4.0, 5.0]) == [3.0, 12.0]
+    assert pipeline_balance.stages([0, 1, 2], [7.0, 8.0]) == [7.0, 8.0]
+
+
+def test_runs_and_times_both_partitions():
+    sets = ["model.preset=rembert", "model.num_hidden_layers=6", "model.vocab_size=32000",
+            "data.seq_length=64", "train.micro_batch_size=2", "parallel.tp=1"]
+    run = subprocess.run([sys.executable, "bench/pipeline_balance.py", "--device", "cpu",
+                          "--dtype", "fp32", "--pp", "2", "--repeats", "1", "--preset",
+                          "rembert", *[a for s in sets[1:] for a in ("--set", s)]],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = {line.split()[1]: line.split()[2] for line in run.stdout.splitlines()
+            if line.strip().startswith("2 ")}
+    config = load_config(ROOT / "configs" / "rembert.yaml", [*sets, "parallel.pp=2"])
+    for name, bounds in (("flops", stage_plan(config, validate_config(config, 2)).boundaries),
+                         ("params", parameter_balanced_boundaries(config, 2))):
+        assert rows[name] == f"{bounds[1] - bounds[0]}/{bounds[2] - bounds[1]}", run.stdout
+    assert "flops-balanced / parameter-balanced tokens/s" in run.stdout
