@@ -17,17 +17,25 @@ shapes, best of 3 before and 3 after the models). Also the loss alone (our head 
 forward + backward).
 
     python bench/real_proportions.py [--layers 2] [--batch 1] [--steps 2] [--threads N]
+                                     [--malloc heap|hugetlb|default|env]
 
 On CPU every step allocates parameter-sized gradients afresh, and with glibc's defaults each
-large buffer is a new mapping whose 4 KiB pages fault on first touch (the 1.55 GiB grad of the
-output embedding is 400k faults). GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (glibc >= 2.35) backs
-them with transparent huge pages; it applies to both models alike.
+buffer over 32 MiB is a new mapping whose 4 KiB pages fault and are zeroed on first touch (the
+1.55 GiB grad of the output embedding is 400k faults: about a second of our loss's backward).
+`--malloc` picks glibc's settings (GLIBC_TUNABLES, read at start: the script runs itself again
+under them), for both models alike:
+  default  glibc's own;
+  hugetlb  transparent huge pages for large buffers (glibc >= 2.35): 512x fewer faults;
+  heap     (the default) hugetlb, and every buffer from the heap, which keeps what is freed
+           (mmap_max=0, a 64 GiB trim threshold): a step reuses the pages of the last one.
+  env      GLIBC_TUNABLES as the environment has it.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import sys
 import time
@@ -46,6 +54,9 @@ from megatron_rembert.model.partition import pipeline_layer_flops  # noqa: E402
 from megatron_rembert.model.rembert import RemBertForPreTraining  # noqa: E402
 
 SEQ = 512
+MALLOC = {"default": "", "hugetlb": "glibc.malloc.hugetlb=1",
+          "heap": "glibc.malloc.hugetlb=1:glibc.malloc.mmap_max=0:"
+                  "glibc.malloc.trim_threshold=68719476736"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -54,6 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=1, help="sequences of 512 tokens per step")
     p.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up step")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--malloc", choices=[*MALLOC, "env"], default="heap",
+                   help="glibc allocator settings for the whole run (default heap; see above)")
     return p.parse_args(argv)
 
 
@@ -112,21 +125,37 @@ def time_steps(model, loss_fn, batches) -> dict[str, float]:
 def head_loss_time(config, rows: int, repeats: int = 2) -> float:
     """Our MLM head + fused loss alone, forward + backward on `rows` masked rows."""
     from megatron_rembert.model.mlm_head import MLMHead
+    from megatron_rembert.parallel.layers import init_weights
 
     head = MLMHead(config)
+    # parameters are made with torch.empty: without this they hold whatever the allocator
+    # hands back (with --malloc heap, old floats, denormals among them: slow arithmetic)
+    init_weights(head, 0, config.initializer_range, "mlm_head.")
     hidden = torch.randn(rows, config.hidden_size, requires_grad=True)
     labels = torch.randint(0, config.vocab_size, (rows,))
     weights = torch.ones(rows)
     times = []
     for _ in range(repeats + 1):
+        head.zero_grad(set_to_none=True)  # as a training step: fresh gradients, no accumulation
+        hidden.grad = None
         start = time.perf_counter()
         head(hidden, labels, weights).loss_sum.backward()
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
 
 
+def run_under_malloc(choice: str, argv: list[str]) -> None:
+    """Runs this script again with GLIBC_TUNABLES for `choice` unless it already has them."""
+    if choice == "env" or os.environ.get("GLIBC_TUNABLES", "") == MALLOC[choice]:
+        return
+    env = {**os.environ, "GLIBC_TUNABLES": MALLOC[choice]}
+    os.execve(sys.executable, [sys.executable, str(Path(__file__).resolve()), *argv], env)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if argv is None:
+        run_under_malloc(args.malloc, sys.argv[1:])
     if args.threads:
         torch.set_num_threads(args.threads)
     import transformers
@@ -172,7 +201,7 @@ def main(argv=None) -> int:
 
     print(f"rembert shapes, {args.layers} layers, batch {args.batch} x {SEQ} tokens, "
           f"{rows // args.batch} masked slots per sequence, fp32, {torch.get_num_threads()} "
-          "threads")
+          f"threads; GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r}")
     print("GEMM FLOP/s (fp32, best of 3 before and 3 after the models): " + "; ".join(
         f"{name} {rate / 1e9:.1f} G" for name, rate in peaks.items()))
     print(f"2048^3 before / after: {before['2048^3'] / 1e9:.1f} / {after['2048^3'] / 1e9:.1f} G")
