@@ -22,8 +22,14 @@ KIB = 1024
 
 
 def _children(pid: int) -> list[int]:
+    """The children of every thread of `pid`; none if it has exited meanwhile (Python 3.11's
+    glob raises for the vanished /proc/PID/task)."""
     out = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return out
+    for task in tasks:
         try:
             out += [int(c) for c in (task / "children").read_text().split()]
         except OSError:
