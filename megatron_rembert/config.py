@@ -78,6 +78,9 @@ class ModelConfig:
     # MLM loss: "fused" (chunked linear + cross-entropy, never holds all logits) or
     # "reference" (logits for all masked tokens, then a vocab-parallel cross-entropy).
     loss_backend: str = "fused"
+    # torch.compile each Transformer layer (its forward and backward graphs; the embeddings and
+    # the head stay eager). Needs both dropouts at 0: compiled dropout draws differ from eager's.
+    compile: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -122,6 +125,12 @@ class ModelConfig:
             raise ConfigError(
                 f"model.attention_backend={self.attention_backend!r}: expected 'sdpa' or "
                 "'fused_softmax'")
+        if self.compile and (self.hidden_dropout_prob or self.attention_probs_dropout_prob):
+            raise ConfigError(
+                "model.compile=true needs model.hidden_dropout_prob and "
+                "model.attention_probs_dropout_prob at 0: compiled dropout draws its masks "
+                "from another generator than eager, so runs would depend on compile and the "
+                "layout; set both to 0 or model.compile=false")
         if self.loss_backend not in ("fused", "reference"):
             raise ConfigError(
                 f"model.loss_backend={self.loss_backend!r}: expected 'fused' or 'reference'")
@@ -131,6 +140,10 @@ class ModelConfig:
 
 
 # Every numeric field of ModelConfig and the values it may take.
+# Fields that choose how the model is computed, not what it is: a checkpoint resumes, averages
+# and converts across them.
+EXECUTION_FIELDS = ("attention_backend", "loss_backend", "compile")
+
 MODEL_RANGES: dict[str, Range] = {
     **dict.fromkeys(("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                      "intermediate_size", "input_embedding_size", "output_embedding_size",

@@ -29,11 +29,10 @@ from megatron_rembert.checkpoint.folder import LATEST, check_step_dir, find_late
 from megatron_rembert.checkpoint.portable import write_portable
 from megatron_rembert.checkpoint.reader import CheckpointReader, model_config
 from megatron_rembert.checkpoint.specs import ParamSpec, param_specs
-from megatron_rembert.config import ModelConfig
+from megatron_rembert.config import EXECUTION_FIELDS, ModelConfig
 from megatron_rembert.convert.files import ConvertError, check_out_apart, staged_output
 
 # Compute backends: the same weights whichever is chosen (as loop._find_resume treats them).
-BACKEND_FIELDS = ("attention_backend", "loss_backend")
 
 
 def step_folder(path: str | Path) -> Path:
@@ -48,7 +47,7 @@ def check_same_model(models: list[ModelConfig], folders: list[Path]) -> None:
     """Raise naming the first model field in which a checkpoint differs from the first one."""
     for model, folder in zip(models[1:], folders[1:], strict=True):
         for field in dataclasses.fields(ModelConfig):
-            if field.name in BACKEND_FIELDS:
+            if field.name in EXECUTION_FIELDS:
                 continue
             mine, first = getattr(model, field.name), getattr(models[0], field.name)
             if mine != first:

@@ -87,7 +87,15 @@ class TransformerLayer(nn.Module):
         self.ffn = FeedForward(config)
         self.ffn_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        # model.compile: the layer's computation through torch.compile (a graph for each mask
+        # kind); parameters, names and checkpoints are the eager layer's.
+        self._compiled = torch.compile(self._layer) if config.compile else None
 
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
+    def _layer(self, x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
         x = self.attention_norm(x + self.dropout(self.attention(x, key_mask)))
         return self.ffn_norm(x + self.dropout(self.ffn(x)))
+
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
+        if self._compiled is not None:
+            return self._compiled(x, key_mask)
+        return self._layer(x, key_mask)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from megatron_rembert.checkpoint import folder as protocol
 from megatron_rembert.checkpoint.lock import SaveDirLock
-from megatron_rembert.config import ConfigError
+from megatron_rembert.config import EXECUTION_FIELDS, ConfigError
 from megatron_rembert.data.common import sha256_file
 from megatron_rembert.data.loader import build_pretraining_loader, build_validation_set
 from megatron_rembert.data.shards import ShardDataset
@@ -188,7 +188,7 @@ def _find_resume(config: Config, meta_now: dict, layout: Layout) -> tuple[Path |
     meta = ckpt.read_meta(folder)
     old = meta["config"]["model"]
     new = meta_now["config"]["model"]
-    changed = sorted(k for k in new if k not in ("loss_backend", "attention_backend", "preset")
+    changed = sorted(k for k in new if k not in (*EXECUTION_FIELDS, "preset")
                      and old.get(k) != new[k])
     if changed:
         raise ckpt.CheckpointError(

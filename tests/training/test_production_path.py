@@ -41,6 +41,9 @@ LAYOUTS = {"gas4": (1, 1, 1), "tp2-dp2": (2, 1, 2), "pp2": (1, 2, 1), "tp2-pp2-d
 CASES = [(js, layout) for js in JSONS for layout in LAYOUTS
          if not (LAYOUTS[layout][1] > 1 and JSONS[js][1] == 2)  # the config refuses pp + ZeRO-2
          and (layout != "tp2-pp2-dp2" or js == "zero1_bf16.json")]  # 8 ranks: once
+# Also run with model.compile (each Transformer layer through torch.compile): one process with
+# accumulation, and the pipeline, in the training precision.
+COMPILED = [("zero1_bf16.json", "gas4"), ("zero1_bf16.json", "pp2")]
 STEPS, CONFIG_STEPS = 3, 2
 # Relative tolerances: loss, gradient norm, distance moved and first moment per parameter.
 TOLERANCE = {"fp32": (1e-5, 1e-4, 1e-4), "fp16": (2e-4, 1e-3, 2e-2), "bf16": (1e-3, 1e-2, 5e-2)}
@@ -106,6 +109,12 @@ def json_runs(tiny_dataset, tmp_path_factory):
                      "train.precision": precision, "parallel.tp": tp, "parallel.pp": pp})
         planned[f"{js}/{layout}"] = Planned(ROOT / "configs" / "tiny.yaml", as_sets(sets),
                                             tp * pp * dp, precision)
+        if (js, layout) in COMPILED:  # model.compile: torch.compile'd layers, same checks
+            sets = {**sets, "train.save_dir": tmp / js / layout / "compiled" / "checkpoints",
+                    "train.log_dir": tmp / js / layout / "compiled" / "logs",
+                    "model.compile": True}
+            planned[f"{js}/{layout}/compiled"] = Planned(ROOT / "configs" / "tiny.yaml",
+                                                         as_sets(sets), tp * pp * dp, precision)
     reference = reference_run(str(ROOT / "configs" / "tiny.yaml"), as_sets(
         data_overrides(*tiny_dataset, tmp / "reference", STEPS)))
     return Runs(planned), reference
@@ -149,6 +158,16 @@ def test_every_shipped_json_is_covered():
 def test_shipped_json_trains_like_plain_torch(js, layout, json_runs):
     runs, reference = json_runs
     check_against_reference(runs.get(f"{js}/{layout}"), reference, JSONS[js][0])
+
+
+@pytest.mark.parametrize("js, layout", COMPILED, ids=[f"{j}-{la}" for j, la in COMPILED])
+def test_compiled_layers_train_like_plain_torch(js, layout, json_runs):
+    """model.compile through train.py's loop: against the eager fp32 reference as every case,
+    and against the same run uncompiled, loss by loss."""
+    runs, reference = json_runs
+    compiled, eager = runs.get(f"{js}/{layout}/compiled"), runs.get(f"{js}/{layout}")
+    check_against_reference(compiled, reference, JSONS[js][0])
+    assert compiled.losses == pytest.approx(eager.losses, rel=TOLERANCE[JSONS[js][0]][0])
 
 
 def test_validation_does_not_depend_on_the_layout(json_runs):
