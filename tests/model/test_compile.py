@@ -52,3 +52,19 @@ def test_compile_with_dropout_is_refused():
     config = get_preset("tiny").replace(compile=True, hidden_dropout_prob=0.1)
     with pytest.raises(ConfigError, match="model.compile=true needs model.hidden_dropout_prob"):
         config.validate()
+
+
+def test_layers_share_one_graph():
+    """All layers reuse one compiled graph (dynamo treats their parameters as inputs): a graph
+    per layer would pass dynamo's cache limit (8) and leave the later layers eager."""
+    config = get_preset("tiny").replace(num_hidden_layers=10, compile=True)
+    model = RemBertForPreTraining(config)
+    model.init_weights(0)
+    counters.clear()
+    for _ in range(2):
+        out = model(**_batch(config, unpadded=True))
+        (out.loss_sum / out.num_tokens).backward()
+    # <= 1: an earlier test of this process may have compiled the graph already
+    assert counters["stats"]["unique_graphs"] <= 1
+    assert counters["frames"]["total"] == counters["frames"]["ok"]  # no frame fell back
+    assert not counters["unimplemented"], list(counters["unimplemented"])  # e.g. the limit
