@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU acceptance checks in one run, for a machine with torch and triton and no network:
 #   1. rembert: tokens/s, TFLOP/s and MFU of the model step (torch + triton) with attention on
-#      the flash path and on the masked path (bench/train_throughput.py --gpu-only); each
-#      pipeline layer's time and the 1F1B step projected from it for the FLOP-balanced and the
-#      parameter-balanced partitions at pp 2/4/8 (bench/pipeline_balance.py); then the
+#      the flash path, on the masked path and with model.compile (bench/train_throughput.py
+#      --gpu-only --compile); each pipeline layer's time and the 1F1B step projected from it
+#      for the FLOP-balanced and the parameter-balanced partitions at pp 2/4/8
+#      (bench/pipeline_balance.py); then the
 #      trainer's step (DeepSpeed, bf16, zero1_bf16.json) with its peak memory against
 #      train.py --dry-run's estimate (bench/train_throughput.py --trainer);
 #   2. kernels: the Triton kernels against the torch references on CUDA in fp32 and bf16, then
@@ -44,7 +45,7 @@ check() {  # check NAME SECONDS COMMAND...: run it under a time limit, remember 
     echo "=== $name: $((SECONDS - start)) s"
 }
 if [[ -z ${cpu:-} ]]; then
-    check rembert-model 150 python3 bench/train_throughput.py --gpu-only --steps 5
+    check rembert-model 240 python3 bench/train_throughput.py --gpu-only --compile --steps 5
     check pipeline-balance 120 python3 bench/pipeline_balance.py --pp 2,4,8
     check rembert-trainer 180 python3 bench/train_throughput.py --trainer --steps 5
     check kernels 180 python3 bench/kernels_gpu.py

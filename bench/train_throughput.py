@@ -167,14 +167,15 @@ def deepspeed_step_time(config: ModelConfig, batches: list[dict]) -> float:
 
 
 def preset_throughput(preset: str, batch: int, seq: int, steps: int,
-                      device: torch.device, unpadded: bool = True) -> dict:
+                      device: torch.device, unpadded: bool = True, compile: bool = False) -> dict:
     """One preset trained in bf16 with torch's fused AdamW: tokens/s, model TFLOP/s (the
     summary CLI's FLOPs), MFU where the GPU's peak is known, peak memory. `unpadded`: the
     batches say they hold no padding (attention without a mask: FlashAttention on CUDA), else
-    they carry their all-ones mask to attention as before the flash path."""
+    they carry their all-ones mask to attention as before the flash path. `compile`:
+    model.compile (the warm-up step pays the compilation)."""
     from megatron_rembert.training.metrics import memory_gib, peak_flops
 
-    config = get_preset(preset)
+    config = get_preset(preset).replace(compile=compile)
     model = RemBertForPreTraining(config).to(device)
     model.init_weights(0)
     model = model.to(torch.bfloat16)
@@ -273,17 +274,21 @@ def gpu_rembert(args) -> None:
     """tokens/s, TFLOP/s and MFU of the rembert preset on one GPU (bf16, fused AdamW), with
     attention on the flash path (unpadded batches, no mask) and on the masked path."""
     results = {}
-    for name, unpadded in (("flash", True), ("masked", False)):
+    variants = {"flash": (True, False), "masked": (False, False)}
+    if args.compile:
+        variants["flash + model.compile"] = (True, True)
+    for name, (unpadded, compile) in variants.items():
         r = results[name] = preset_throughput("rembert", args.gpu_batch, 512, args.steps,
-                                              torch.device("cuda"), unpadded)
+                                              torch.device("cuda"), unpadded, compile)
         torch.cuda.empty_cache()  # the model of this run is gone; the next one starts afresh
         torch.cuda.reset_peak_memory_stats()
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a (GPU not in the peak table)"
         print(f"GPU {torch.cuda.get_device_name()}: rembert, batch {args.gpu_batch} x 512, "
               f"bf16, {name} attention: {r['tokens_per_s']:,.0f} tokens/s, "
               f"{r['tflops']:.1f} TFLOP/s, MFU {mfu}, peak memory {r['memory_gib']:.1f} GiB")
-    print(f"flash / masked tokens/s: "
-          f"{results['flash']['tokens_per_s'] / results['masked']['tokens_per_s']:.3f}x")
+    for name in list(results)[1:]:
+        print(f"flash / {name} tokens/s: "
+              f"{results['flash']['tokens_per_s'] / results[name]['tokens_per_s']:.3f}x")
     attention_paths(args.gpu_batch, 512, get_preset("rembert"))
 
 
@@ -298,6 +303,8 @@ def main() -> None:
                         help="micro-batches per step for --trainer")
     parser.add_argument("--gpu-only", action="store_true",
                         help="only the rembert preset on the GPU (torch and triton suffice)")
+    parser.add_argument("--compile", action="store_true",
+                        help="also the rembert step with model.compile (GPU)")
     parser.add_argument("--trainer", action="store_true",
                         help="only the trainer's step (DeepSpeed) for rembert on one GPU")
     args = parser.parse_args()
