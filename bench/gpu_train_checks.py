@@ -156,23 +156,22 @@ def main() -> None:
                     compare(f"SIGTERM after step {args.signal_at}, saved {saved}, resumed",
                             resumed, straight, RESUME_REL)]
     gpus = torch.cuda.device_count()
-    # Two ranks on one GPU need gloo (NCCL refuses them); two GPUs take NCCL, as users run.
-    layouts = {"tp": {**sets, "parallel.tp": 2, "parallel.backend": "gloo" if gpus < 2 else
-                      "nccl"},
-               "pp": {**sets, "parallel.pp": 2, "parallel.backend": "nccl"}}
+    # Two GPUs take NCCL, as users run; two ranks on one GPU need gloo (NCCL refuses them),
+    # and so do CPUs.
+    backend = "nccl" if gpus >= 2 else "gloo"
+    layouts = ["tp", "pp"]
     if gpus == 1:  # gloo cannot send CUDA tensors between stages (train.py refuses it)
         print("SKIP pp=2: one GPU; two pipeline ranks need NCCL and two GPUs")
-        del layouts["pp"]
-    elif not gpus:
-        layouts["pp"]["parallel.backend"] = "gloo"
-    for name, layout_sets in layouts.items():
+        layouts.remove("pp")
+    for name in layouts:
         try:  # a failed layout still lets the other one run
-            got = train(f"{name}2-{layout_sets['parallel.backend']}", work, 2, layout_sets)
+            got = train(f"{name}2-{backend}", work, 2,
+                        {**sets, f"parallel.{name}": 2, "parallel.backend": backend})
         except SystemExit as failure:
             print(failure)
             got = {}
-        results.append(compare(f"{name}=2 (2 processes, {layout_sets['parallel.backend']}) "
-                               "vs 1 process", got, straight, LAYOUT_REL))
+        results.append(compare(f"{name}=2 (2 processes, {backend}) vs 1 process", got,
+                               straight, LAYOUT_REL))
     sys.exit(0 if all(results) else 1)
 
 

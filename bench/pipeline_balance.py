@@ -21,9 +21,7 @@ of bench/gpu_checks.sh; on CPU, e.g. `--device cpu --preset tiny --set data.seq_
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -32,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout, uninstalled
 sys.path.insert(0, str(ROOT / "bench"))
 
-from train_throughput import make_batch  # noqa: E402
+from train_throughput import make_batch, timed  # noqa: E402
 
 from megatron_rembert.model.pipeline import (  # noqa: E402
     EmbeddingPipe,
@@ -52,20 +50,6 @@ from megatron_rembert.training.metrics import peak_flops  # noqa: E402
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def timed_ms(fn, repeats: int, device: torch.device) -> float:
-    """Median milliseconds of fn() over `repeats` calls, after two warm-up calls."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times = []
-    for i in range(repeats + 2):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        if i >= 2:
-            times.append(1e3 * (time.perf_counter() - start))
-    return statistics.median(times)
-
-
 def layer_times(config, micro: int, seq: int, predictions: int, dtype, device,
                 repeats: int) -> list[float]:
     """Forward + backward milliseconds of one micro-batch through the embedding, one Transformer
@@ -77,8 +61,8 @@ def layer_times(config, micro: int, seq: int, predictions: int, dtype, device,
     embedding = EmbeddingPipe(m).to(device, dtype)
     layer = TransformerLayerPipe(m, 0).to(device, dtype)
     head = MLMHeadPipe(m).to(device, dtype)
-    hidden = embedding(inputs)[0].detach()
-    carried = (hidden.requires_grad_(), *embedding(inputs)[1:])
+    hidden, *rest = embedding(inputs)
+    carried = (hidden.detach().requires_grad_(), *rest)
     grad = torch.randn_like(hidden)
 
     def run_embedding():
@@ -91,7 +75,9 @@ def layer_times(config, micro: int, seq: int, predictions: int, dtype, device,
         out = head(carried)
         (out.loss_sum / out.num_tokens).backward()
 
-    ms = [timed_ms(f, repeats, device) for f in (run_embedding, run_layer, run_head)]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    ms = [1e3 * timed(lambda _, f=f: f(), [None] * (repeats + 1), sync)  # median after 1 warm-up
+          for f in (run_embedding, run_layer, run_head)]
     return [ms[0]] + [ms[1]] * m.num_hidden_layers + [ms[2]]
 
 

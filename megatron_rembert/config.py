@@ -139,11 +139,11 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
-# Every numeric field of ModelConfig and the values it may take.
 # Fields that choose how the model is computed, not what it is: a checkpoint resumes, averages
 # and converts across them.
 EXECUTION_FIELDS = ("attention_backend", "loss_backend", "compile")
 
+# Every numeric field of ModelConfig and the values it may take.
 MODEL_RANGES: dict[str, Range] = {
     **dict.fromkeys(("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                      "intermediate_size", "input_embedding_size", "output_embedding_size",

@@ -32,8 +32,6 @@ from megatron_rembert.checkpoint.specs import ParamSpec, param_specs
 from megatron_rembert.config import EXECUTION_FIELDS, ModelConfig
 from megatron_rembert.convert.files import ConvertError, check_out_apart, staged_output
 
-# Compute backends: the same weights whichever is chosen (as loop._find_resume treats them).
-
 
 def step_folder(path: str | Path) -> Path:
     """A `step_*` folder as given, or the one a save folder's `latest` names."""
