@@ -15,17 +15,15 @@ because on a shared machine single runs are noisy):
   sp.encode   the baseline of preprocessing: `sp.encode(list_of_documents)` on the same
               documents with the same tokenizer, in this process, text already in memory,
               one thread (one core: what one preprocessing worker has).
-  preprocess  `preprocess()` end to end (read, tokenise in --workers processes, pack, write
-              shards, manifest) with 1 and with 2 workers, into a fresh folder each run. The
-              worker pool's start-up (a fork server, then one fork per worker) is inside the
-              clock and paid on every run: a real run pays it too.
+  preprocess  `preprocess()` end to end (read, tokenise in --workers threads, pack, write
+              shards, manifest) with 1 and with 2 workers, into a fresh folder each run. Its
+              start-up (loading the tokenizer, the word-start table) is inside the clock.
               tokens = the same text tokens as the baseline, so the two rates compare.
 Ratios printed last: loader / goal, preprocess per worker / sp.encode (goal >= 0.8), and
 preprocess 2 workers / 1 worker (scaling). On a shared machine these wall-clock ratios move with
 the load (another process holding a core slows one figure and not the other), so the same
 ratios are also printed in CPU time, which the load does not change: tokens per CPU-second of
-sp.encode against tokens per CPU-second of preprocess, all its processes together (the main
-process and the workers, from getrusage of this process and its reaped children).
+sp.encode against tokens per CPU-second of preprocess (all its threads, from getrusage).
 """
 
 from __future__ import annotations
@@ -136,9 +134,9 @@ def load_documents(corpus: Path) -> list[str]:
 
 
 def cpu_seconds() -> float:
-    """CPU time of this process and of its children that have ended (the worker pools)."""
-    me, kids = (resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
-    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+    """CPU time of this process, all its threads."""
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    return me.ru_utime + me.ru_stime
 
 
 def baseline_run(sp, docs: list[str], threads: int) -> tuple[float, int]:
@@ -150,16 +148,6 @@ def baseline_run(sp, docs: list[str], threads: int) -> tuple[float, int]:
     return n / dt, n
 
 
-def _stop_fork_server() -> None:
-    """End multiprocessing's fork server (a child of this process; the preprocessing workers
-    are its children) and reap it, so that getrusage counts their CPU time; the next run starts
-    a new one, as a new `preprocess.py` process would."""
-    from multiprocessing import forkserver
-    server = getattr(forkserver, "_forkserver", None)
-    if server is not None and hasattr(server, "_stop"):
-        server._stop()
-
-
 def preprocess_run(corpus: Path, model: Path, work: Path, args: argparse.Namespace,
                    workers: int, text_tokens: int) -> float:
     out = Path(tempfile.mkdtemp(prefix="pre-", dir=work))
@@ -167,9 +155,8 @@ def preprocess_run(corpus: Path, model: Path, work: Path, args: argparse.Namespa
         cfg = PreprocessConfig(str(corpus), str(out), str(model), seq_length=args.seq_length,
                                workers=workers, progress=False)
         t, c = time.perf_counter(), cpu_seconds()
-        preprocess(cfg)  # terminates its pool; the fork server has reaped the workers
+        preprocess(cfg)
         wall = time.perf_counter() - t
-        _stop_fork_server()  # its CPU time and its workers' become this process's children's
         CPU_RATES.setdefault(("preprocess", workers), []).append(
             text_tokens / (cpu_seconds() - c))
         return text_tokens / wall

@@ -1,6 +1,6 @@
 """Corpus folder -> dataset folder of packed Arrow shards (see docs/data.md).
 
-Tokenises with worker processes, packs each language into [CLS] ... [SEP] rows of
+Tokenises in worker threads, packs each language into [CLS] ... [SEP] rows of
 --seq-length tokens, writes train/ and valid/ shards and manifest.json. Restartable: rerun the
 same command after a kill and it resumes; finished shards are not redone. Example:
 
@@ -29,7 +29,9 @@ def main() -> None:
     p.add_argument("--tokenizer", required=True, help="SentencePiece .model")
     p.add_argument("--out", required=True, help="dataset folder")
     p.add_argument("--seq-length", type=int, default=d.seq_length)
-    p.add_argument("--workers", type=int, default=d.workers, help="tokeniser processes (0: none)")
+    p.add_argument("--workers", type=int, default=d.workers,
+                   help="tokeniser threads (0: all in the main thread; default: the CPUs this "
+                        "process may use, %(default)s here)")
     p.add_argument("--shard-size-mb", type=float, default=d.shard_size_mb,
                    help="upper bound on a shard's size")
     p.add_argument("--valid-fraction", type=float, default=d.valid_fraction,

@@ -56,22 +56,27 @@ class Packer:
 
     def add_many(self, flat: np.ndarray, offsets: np.ndarray) -> None:
         """`add` of every document flat[offsets[i]:offsets[i+1]], in order: the same rows,
-        with one concatenation per run between flushes instead of one per document (per-document
-        calls cost the preprocessing main process more than the workers' tokenisation)."""
+        computed per run of documents rather than per document. Within a run every document
+        after the first gets a [SEP] and nothing is flushed; a run ends before the first
+        document that would find the carried tokens at a row's start (no [SEP]) or one short
+        of its end (a flush), found with one cumulative sum; S-2 tokens apart, these are rare."""
         content = self.S - 2
-        bounds = np.asarray(offsets).tolist()
-        start, seps, rem = 0, [], len(self.buf)  # rem: what len(self.buf) would be now
-        for i in range(len(bounds) - 1):
-            if rem + 1 >= content:  # as in `add`: no room for [SEP] + text, flush first
-                self._add_stream(flat[bounds[start]:bounds[i]], seps, bounds[start])
+        offsets = np.asarray(offsets, np.int64)
+        lengths = np.diff(offsets)
+        i, n = 0, len(lengths)
+        while i < n:
+            if len(self.buf) + 1 >= content:  # as in `add`: no room for [SEP] + text
                 self.flush_partial()
-                start, seps, rem = i, [], 0
-            if rem:
-                seps.append(bounds[i])  # [SEP] before document i
-            rem = (rem + (1 if rem else 0) + bounds[i + 1] - bounds[i]) % content
-        self._add_stream(flat[bounds[start]:bounds[-1]], seps, bounds[start])
+            rem = len(self.buf)
+            # the carried length before document i+1+t, were it still in this run
+            before = (rem + (rem > 0) + np.cumsum(lengths[i:-1]) + np.arange(n - 1 - i)) % content
+            stop = np.flatnonzero((before == 0) | (before == content - 1))
+            k = i + 1 + int(stop[0]) if len(stop) else n
+            seps = offsets[i + 1:k] if rem == 0 else offsets[i:k]
+            self._add_stream(flat[offsets[i]:offsets[k]], seps, int(offsets[i]))
+            i = k
 
-    def _add_stream(self, tokens: np.ndarray, seps: list[int], origin: int) -> None:
+    def _add_stream(self, tokens: np.ndarray, seps: np.ndarray, origin: int) -> None:
         """Append `tokens` ([SEP] inserted before the flat positions `seps`; tokens[0] is at
         `origin`) to the carried tokens and cut the full rows."""
         content = self.S - 2

@@ -1,12 +1,16 @@
 """Corpus folder -> dataset folder of packed, fixed-length token sequences.
 
-Languages are processed one after the other. The main process reads each file as blocks of
-whole lines (bytes, `corpus.iter_line_blocks`); worker processes, forked from a fork server,
-turn a block into documents (decoding, the skip rules, JSON), tokenise them and sort them into
-the train and validation splits, returning one flat int32 array per split; the main process
-packs (one call per block and split) and writes, so the output is identical whatever the
-number of workers. The main process's share is kept small: on 2 cores it shares one with a
-worker.
+The work runs as one stream over all languages (the next language's blocks are tokenized
+while one's last rows are packed and written). The main thread reads each file as blocks of
+whole lines (bytes, `corpus.iter_line_blocks`); `workers` threads turn a block into
+documents (decoding, the skip rules, JSON), tokenise them and sort them into the train and
+validation splits, returning one flat int32 array per split; the main thread packs (one call
+per block and split) and writes, in input order, so the output is identical whatever the
+number of workers. Threads, not processes: SentencePiece encodes without the GIL (2 threads
+run 1.8x one on 2 cores), and threads share the tokenizer and pay no start-up, pickling or
+pipe; what holds the GIL (decoding and packing, about a third of the CPU time) bounds the
+speed-up at about 2.5 workers' worth, so on a large machine split the corpus by language
+(`--languages`) over several runs and join them with `data_tools/merge_datasets.py`.
 
 Packing: a language's documents form one stream `d1 [SEP] d2 [SEP] ...`, cut into pieces
 of S-2 tokens, each stored as `[CLS] piece [SEP]`; a language's last sequence is padded. A
@@ -25,13 +29,12 @@ from __future__ import annotations
 
 import itertools
 import json
-import multiprocessing as mp
 import os
 import re
 import shutil
-import threading
 import zlib
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -53,13 +56,18 @@ from megatron_rembert.data.tokenizer import check_special_ids, load_sentencepiec
 _COUNTED = ("blank_lines", "bad_utf8_lines", "long_lines", "bad_json_lines")
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (a SLURM job's share, not the whole node)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 @dataclass
 class PreprocessConfig:
     corpus_dir: str
     output_dir: str
     tokenizer: str  # path to the SentencePiece .model
     seq_length: int = 512
-    workers: int = max(1, (os.cpu_count() or 2) - 1)
+    workers: int = field(default_factory=lambda: usable_cpus())  # tokenizer threads
     shard_size_mb: float = 256.0  # upper bound on a shard's size
     valid_fraction: float = 0.005
     languages: list[str] | None = None
@@ -73,23 +81,10 @@ class PreprocessConfig:
         return max(1, int(self.shard_size_mb * 2**20) // (4 * self.seq_length))
 
 
-_SP = None
-_ENCODE = None  # texts -> (flat int32 ids, [len(texts) + 1] offsets), set in the worker
-
-
-def _init_worker(model_path: str) -> None:
-    # Not raising here: a failing Pool initializer respawns workers forever.
-    global _SP, _ENCODE
-    try:
-        _SP = load_sentencepiece(model_path)
-        _ENCODE = _buffer_encoder(_SP) or _list_encoder(_SP)
-    except BaseException as e:  # noqa: BLE001 - re-raised by _tokenize
-        _SP = e
-
-
 def _offsets(lengths) -> np.ndarray:
+    lengths = np.fromiter(lengths, dtype=np.int64)
     out = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(np.fromiter(lengths, dtype=np.int64, count=len(lengths)), out=out[1:])
+    np.cumsum(lengths, out=out[1:])
     return out
 
 
@@ -119,7 +114,7 @@ def _buffer_encoder(sp):
         def encode(texts):
             # args: inputs, threads, pool, sampling, nbest, alpha, add_bos, add_eos, reverse
             bufs = method(texts, 1, None, False, -1, 0.1, False, False, False)
-            offsets = _offsets([memoryview(b).nbytes // 4 for b in bufs])
+            offsets = _offsets(map(len, map(memoryview, bufs)))  # int32 items
             return np.frombuffer(b"".join(bufs), dtype=np.int32), offsets
 
         probe = ["A probe, één 二 текст.", "", "and another line"]
@@ -130,37 +125,26 @@ def _buffer_encoder(sp):
         return None
 
 
-def _tokenize(block: corpus_mod.LineBlock, rel: str, kind: str, max_line_bytes: int,
+def _tokenize(encode, block: corpus_mod.LineBlock, rel: str, kind: str, max_line_bytes: int,
               valid_fraction: float) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], int, dict]:
     """One block of lines of file `rel` -> ({split: (flat token ids, offsets)}, documents,
-    skip counts). The worker does all the per-line work (decoding, the skip rules, JSON) and
-    returns one flat array per split: the main process only reads bytes and packs, so on 2
-    cores it leaves the workers nearly all the CPU."""
-    if isinstance(_SP, BaseException):
-        raise _SP
+    skip counts), run by a worker thread: the per-line work (decoding, the skip rules, JSON)
+    and `encode`, which SentencePiece runs without the GIL, so workers tokenize in parallel."""
     stats = corpus_mod.SkipStats()
     lines, texts = corpus_mod.documents_in_block(block, kind, max_line_bytes, stats)
     valid = valid_docs(rel, lines, valid_fraction)
-    out = {}
-    for split in ("train", "valid"):
-        mine = [t for t, v in zip(texts, valid, strict=True) if v == (split == "valid")]
-        out[split] = _ENCODE(mine) if mine else (np.zeros(0, np.int32), _offsets([]))
+    if valid.any():
+        splits = {"train": list(itertools.compress(texts, ~valid)),
+                  "valid": list(itertools.compress(texts, valid))}
+    else:  # most blocks
+        splits = {"train": texts, "valid": []}
+    out = {split: encode(mine) if mine else (np.zeros(0, np.int32), _offsets([]))
+           for split, mine in splits.items()}
     return out, len(texts), {k: getattr(stats, k) for k in _COUNTED}
 
 
-def _worker_context():
-    """Workers fork from a server process that imported this module once (so they start in
-    milliseconds, without the main script's imports or its threads); spawn where there is
-    no fork server (Windows)."""
-    if "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])
-    return ctx
-
-
 class _Done:
-    """A result computed in this process, with the AsyncResult method ordered_map uses."""
+    """A result computed in this thread, with the method ordered_map waits on."""
 
     def __init__(self, value):
         self.value = value
@@ -169,46 +153,26 @@ class _Done:
         return self.value
 
 
-class _PoolStarter:
-    """Starts the worker pool in a thread: the fork server's start (importing this module,
-    ~0.3 s) is not waited for; blocks submitted before the pool is up are tokenized in this
-    process. Who tokenizes a block does not change its tokens."""
+class _Pending:
+    """A worker thread's result, with the method ordered_map waits on."""
 
-    def __init__(self, cfg: PreprocessConfig):
-        self._pool = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._start, args=(cfg,), daemon=True)
-        self._thread.start()
-
-    def _start(self, cfg: PreprocessConfig) -> None:
-        try:
-            self._pool = _worker_context().Pool(cfg.workers, _init_worker, (cfg.tokenizer,))
-        except BaseException as e:  # noqa: BLE001 - raised in the main thread by ready()
-            self._error = e
-
-    def ready(self):
-        """The pool once started, else None; a failed start raises here, as it did when the
-        pool was made in the main thread."""
-        if self._error is not None:
-            raise self._error
-        return self._pool
-
-    def close(self) -> None:
-        self._thread.join()
-        if self._pool is not None:
-            self._pool.terminate()
+    def __init__(self, future):
+        self.get = future.result
 
 
-def valid_docs(rel: str, lines: list[int], fraction: float) -> list[bool]:
-    """Whether each document at `lines` of file `rel` goes to the validation split:
-    crc32(f"{rel}\n{line}") < fraction * 2^32, with the file's part of the CRC computed once
-    (CRC-32 runs on from a prefix's value)."""
+def valid_docs(rel: str, lines: list[int], fraction: float) -> np.ndarray:
+    """Whether each document at `lines` of file `rel` goes to the validation split, as a bool
+    array: crc32(f"{rel}\n{line}") < fraction * 2^32, with the file's part of the CRC computed
+    once (CRC-32 runs on from a prefix's value), in C loops (map) rather than Python."""
     head, bound = zlib.crc32(f"{rel}\n".encode()), fraction * 2**32
-    return [zlib.crc32(b"%d" % line, head) < bound for line in lines]
+    numbers = "\n".join(map(str, lines)).encode().split(b"\n") if lines else []
+    crcs = np.fromiter(map(zlib.crc32, numbers, itertools.repeat(head)), np.uint32,
+                       count=len(numbers))
+    return crcs < bound
 
 
 def is_valid_doc(rel: str, line: int, fraction: float) -> bool:
-    return valid_docs(rel, [line], fraction)[0]
+    return bool(valid_docs(rel, [line], fraction)[0])
 
 
 class _Language:
@@ -280,43 +244,46 @@ class _Language:
         if old is not None and old != name:
             (self.progress_dir / old).unlink(missing_ok=True)
 
-    def run(self, submit, bar: ProgressBar, bytes_before: int) -> None:
-        if self.state["done"]:
-            return
-        cfg, st = self.cfg, self.state
-        stats = corpus_mod.SkipStats(**st["skipped"])
-        done_bytes = bytes_before + sum(f.size for f in self.files[: st["file_idx"]])
-        # looked up once, not per block
-        train, valid, cap = self.packers["train"], self.packers["valid"], cfg.rows_per_shard
-        for fi in range(st["file_idx"], len(self.files)):
+    def tasks(self, bar: ProgressBar, bytes_before: int):
+        """The work left in this language, in order: `(self, i, block)` for each block of
+        file i from the resume point on, `(self, i, None)` at the end of file i."""
+        st = self.state
+        first_file, first_line = st["file_idx"], st["line"]  # the resume point
+        done_bytes = bytes_before + sum(f.size for f in self.files[:first_file])
+        for fi in range(first_file, len(self.files)):
             cf = self.files[fi]
-            start = st["line"] if fi == st["file_idx"] else 0
+            start = first_line if fi == first_file else 0
 
             def on_progress(pos, base=done_bytes):
                 bar.update(base + pos, f"{self.lang} {st['documents']:,} docs")
 
-            blocks = corpus_mod.iter_line_blocks(cf, start, cfg.max_line_bytes, cfg.block_bytes,
-                                                 on_progress)
-            for block, (tokens, n_docs, skipped) in ordered_map(
-                lambda b, cf=cf: submit(b, cf.rel, cf.kind, cfg.max_line_bytes,
-                                        cfg.valid_fraction),
-                blocks, max_in_flight=8 * cfg.workers + 8,
-            ):
-                for split, (flat, offsets) in tokens.items():
-                    self.packers[split].add_many(flat, offsets)
-                st["documents"] += n_docs
-                for k, v in skipped.items():
-                    setattr(stats, k, getattr(stats, k) + v)
-                # Checkpoints fall at block ends (blocks depend only on the file's bytes, so a
-                # resumed run makes the same blocks).
-                if max(train.n_rows, valid.n_rows) >= cap:
-                    self.checkpoint(fi, block.first_line + block.n_lines,
-                                    {k: getattr(stats, k) for k in _COUNTED})
+            for block in corpus_mod.iter_line_blocks(cf, start, self.cfg.max_line_bytes,
+                                                     self.cfg.block_bytes, on_progress):
+                yield self, fi, block
             done_bytes += cf.size
+            yield self, fi, None
+
+    def take(self, fi: int, block, result) -> None:
+        """Pack the tokens of one block of file `fi` (`block` None: the file's end, after its
+        last block), in input order."""
+        st, files = self.state, self.files
+        if block is None:
             st["file_idx"], st["line"] = fi + 1, 0
-        for p in self.packers.values():
-            p.flush_partial()
-        self.checkpoint(len(self.files), 0, {k: getattr(stats, k) for k in _COUNTED}, final=True)
+            if fi + 1 == len(files):  # the language's end
+                for p in self.packers.values():
+                    p.flush_partial()
+                self.checkpoint(len(files), 0, st["skipped"], final=True)
+            return
+        tokens, n_docs, skipped = result
+        for split, (flat, offsets) in tokens.items():
+            self.packers[split].add_many(flat, offsets)
+        st["documents"] += n_docs
+        # A copy: the committed record keeps the counts of its own position.
+        st["skipped"] = {k: st["skipped"][k] + skipped[k] for k in _COUNTED}
+        # Checkpoints fall at block ends (blocks depend only on the file's bytes, so a
+        # resumed run makes the same blocks).
+        if max(p.n_rows for p in self.packers.values()) >= self.cfg.rows_per_shard:
+            self.checkpoint(fi, block.first_line + block.n_lines, st["skipped"])
 
 
 def _settings(cfg: PreprocessConfig, tok_sha: str, files_by_lang) -> dict:
@@ -351,6 +318,8 @@ def preprocess(cfg: PreprocessConfig) -> dict:
     """Run (or resume) preprocessing; return the manifest it wrote."""
     if cfg.seq_length < 8:
         raise DataError(f"--seq-length {cfg.seq_length} is too small; use at least 8.")
+    if cfg.workers < 0:
+        raise DataError(f"--workers {cfg.workers} must be 0 or more.")
     if not 0.0 <= cfg.valid_fraction < 1.0:
         raise DataError(f"--valid-fraction {cfg.valid_fraction} must be in [0, 1).")
     sp = load_sentencepiece(cfg.tokenizer)
@@ -362,22 +331,35 @@ def preprocess(cfg: PreprocessConfig) -> dict:
     atomic_write(out / WORD_STARTS, lambda f: np.save(f, word_start_table(sp)))
     total = sum(f.size for fs in files_by_lang.values() for f in fs)
     bar = ProgressBar(total, "preprocess", enabled=cfg.progress)
-    pool = _PoolStarter(cfg) if cfg.workers > 0 else None
-    _init_worker(cfg.tokenizer)  # this process tokenizes until the pool is up (or, at 0, always)
+    encode = _buffer_encoder(sp) or _list_encoder(sp)
+    pool = ThreadPoolExecutor(cfg.workers, "tokenize") if cfg.workers > 0 else None
+    langs, befores, before = {}, {}, 0
+    for lang, files in files_by_lang.items():
+        langs[lang] = _Language(cfg, lang, files, ids, progress_dir)
+        befores[lang], before = before, before + sum(f.size for f in files)
 
-    def submit(*args):
-        ready = pool.ready() if pool is not None else None
-        return ready.apply_async(_tokenize, args) if ready else _Done(_tokenize(*args))
+    def tasks():
+        # One stream over all languages: the next language's blocks are tokenized while
+        # this one's last blocks are packed and its final shards written.
+        for lang, job in langs.items():
+            if not job.state["done"]:
+                yield from job.tasks(bar, befores[lang])
+
+    def submit(task):
+        job, fi, block = task
+        if block is None:
+            return _Done(None)
+        cf = job.files[fi]
+        args = (encode, block, cf.rel, cf.kind, cfg.max_line_bytes, cfg.valid_fraction)
+        return _Pending(pool.submit(_tokenize, *args)) if pool else _Done(_tokenize(*args))
 
     try:
-        langs, before = {}, 0
-        for lang, files in files_by_lang.items():
-            langs[lang] = _Language(cfg, lang, files, ids, progress_dir)
-            langs[lang].run(submit, bar, before)
-            before += sum(f.size for f in files)
+        for (job, fi, block), result in ordered_map(submit, tasks(),
+                                                    max_in_flight=8 * cfg.workers + 8):
+            job.take(fi, block, result)
     finally:
         if pool is not None:
-            pool.close()
+            pool.shutdown(cancel_futures=True)
         bar.close()
     manifest = _build_manifest(cfg, sp, tok_sha, ids, langs, stats, out)
     atomic_write_json(out / MANIFEST, manifest)
