@@ -2,15 +2,18 @@
 
 The work runs as one stream over all languages (the next language's blocks are tokenized
 while one's last rows are packed and written). The main thread reads each file as blocks of
-whole lines (bytes, `corpus.iter_line_blocks`); `workers` threads turn a block into
-documents (decoding, the skip rules, JSON), tokenise them and sort them into the train and
-validation splits, returning one flat int32 array per split; the main thread packs (one call
-per block and split) and writes, in input order, so the output is identical whatever the
-number of workers. Threads, not processes: SentencePiece encodes without the GIL (2 threads
-run 1.8x one on 2 cores), and threads share the tokenizer and pay no start-up, pickling or
-pipe; what holds the GIL (decoding and packing, about a third of the CPU time) bounds the
-speed-up at about 2.5 workers' worth, so on a large machine split the corpus by language
-(`--languages`) over several runs and join them with `data_tools/merge_datasets.py`.
+whole lines (bytes, `corpus.iter_line_blocks`), turns a block into documents (decoding, the
+skip rules, JSON), sorts them into the train and validation splits and hands each split's
+texts to one of `workers` threads, which only run SentencePiece's batch encoder (one flat
+int32 array per split); the main thread packs the results (one call per block and split) and
+writes, in input order, so the output is identical whatever the number of workers.
+
+Threads, not processes: SentencePiece encodes without the GIL (2 threads run 1.8x one on 2
+cores), and threads share the tokenizer and pay no start-up, pickling or pipe. Everything
+else holds the GIL and runs in the main thread (about a third of the CPU time: decoding,
+packing, writing), which caps the speed-up at about 3x one thread; on a large machine split
+the corpus by language (`--languages`) over several runs and join them with
+`data_tools/merge_datasets.py`.
 
 Packing: a language's documents form one stream `d1 [SEP] d2 [SEP] ...`, cut into pieces
 of S-2 tokens, each stored as `[CLS] piece [SEP]`; a language's last sequence is padded. A
@@ -33,7 +36,7 @@ import os
 import re
 import shutil
 import zlib
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -67,7 +70,7 @@ class PreprocessConfig:
     output_dir: str
     tokenizer: str  # path to the SentencePiece .model
     seq_length: int = 512
-    workers: int = field(default_factory=lambda: usable_cpus())  # tokenizer threads
+    workers: int = field(default_factory=usable_cpus)  # tokenizer threads
     shard_size_mb: float = 256.0  # upper bound on a shard's size
     valid_fraction: float = 0.005
     languages: list[str] | None = None
@@ -125,11 +128,10 @@ def _buffer_encoder(sp):
         return None
 
 
-def _tokenize(encode, block: corpus_mod.LineBlock, rel: str, kind: str, max_line_bytes: int,
-              valid_fraction: float) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], int, dict]:
-    """One block of lines of file `rel` -> ({split: (flat token ids, offsets)}, documents,
-    skip counts), run by a worker thread: the per-line work (decoding, the skip rules, JSON)
-    and `encode`, which SentencePiece runs without the GIL, so workers tokenize in parallel."""
+def _documents(block: corpus_mod.LineBlock, rel: str, kind: str, max_line_bytes: int,
+               valid_fraction: float) -> tuple[dict[str, list[str]], int, dict]:
+    """One block of lines of file `rel` -> ({split: its documents' texts}, documents, skip
+    counts): the per-line work (decoding, the skip rules, JSON), run by the main thread."""
     stats = corpus_mod.SkipStats()
     lines, texts = corpus_mod.documents_in_block(block, kind, max_line_bytes, stats)
     valid = valid_docs(rel, lines, valid_fraction)
@@ -137,27 +139,30 @@ def _tokenize(encode, block: corpus_mod.LineBlock, rel: str, kind: str, max_line
         splits = {"train": list(itertools.compress(texts, ~valid)),
                   "valid": list(itertools.compress(texts, valid))}
     else:  # most blocks
-        splits = {"train": texts, "valid": []}
-    out = {split: encode(mine) if mine else (np.zeros(0, np.int32), _offsets([]))
-           for split, mine in splits.items()}
-    return out, len(texts), {k: getattr(stats, k) for k in _COUNTED}
+        splits = {"train": texts}
+    return splits, len(texts), {k: getattr(stats, k) for k in _COUNTED}
 
 
-class _Done:
-    """A result computed in this thread, with the method ordered_map waits on."""
+class _Tokenized:
+    """A block's documents, their encoding submitted to `pool` (None: encoded here). `get`,
+    what ordered_map waits on, returns ({split: (flat ids, offsets)}, documents, skips)."""
 
-    def __init__(self, value):
-        self.value = value
+    def __init__(self, pool, encode, splits: dict, n_docs: int, skipped: dict):
+        self.tokens = {split: pool.submit(encode, texts) if pool else encode(texts)
+                       for split, texts in splits.items() if texts}
+        self.n_docs, self.skipped = n_docs, skipped
 
     def get(self):
-        return self.value
+        tokens = {split: t.result() if isinstance(t, Future) else t
+                  for split, t in self.tokens.items()}
+        return tokens, self.n_docs, self.skipped
 
 
-class _Pending:
-    """A worker thread's result, with the method ordered_map waits on."""
+class _FileEnd:
+    """The marker of a file's end in the stream, with the method ordered_map waits on."""
 
-    def __init__(self, future):
-        self.get = future.result
+    def get(self):
+        return None
 
 
 def valid_docs(rel: str, lines: list[int], fraction: float) -> np.ndarray:
@@ -348,10 +353,10 @@ def preprocess(cfg: PreprocessConfig) -> dict:
     def submit(task):
         job, fi, block = task
         if block is None:
-            return _Done(None)
+            return _FileEnd()
         cf = job.files[fi]
-        args = (encode, block, cf.rel, cf.kind, cfg.max_line_bytes, cfg.valid_fraction)
-        return _Pending(pool.submit(_tokenize, *args)) if pool else _Done(_tokenize(*args))
+        docs = _documents(block, cf.rel, cf.kind, cfg.max_line_bytes, cfg.valid_fraction)
+        return _Tokenized(pool, encode, *docs)
 
     try:
         for (job, fi, block), result in ordered_map(submit, tasks(),

@@ -106,17 +106,21 @@ def test_valid_docs_is_the_documented_crc():
     assert pre.valid_docs("en/a.txt", [], 0.3).tolist() == []
 
 
-def test_workers_tokenize_in_their_threads(corpus, tokenizer, tmp_path, monkeypatch):
-    """--workers N runs the blocks on N pool threads, not on the main thread (the output is the
-    same either way, so only this shows the pool is used)."""
+def test_workers_encode_in_their_threads(corpus, tokenizer, tmp_path, monkeypatch):
+    """--workers N runs SentencePiece on N pool threads, not on the main thread (the output is
+    the same either way, so only this shows the pool is used)."""
     names = []
-    tokenize = pre._tokenize
+    make = pre._buffer_encoder
 
-    def spy(*args):
-        names.append(threading.current_thread().name)
-        return tokenize(*args)
+    def spying(sp):
+        encode = make(sp)
 
-    monkeypatch.setattr(pre, "_tokenize", spy)
+        def spy(texts):
+            names.append(threading.current_thread().name)
+            return encode(texts)
+        return spy
+
+    monkeypatch.setattr(pre, "_buffer_encoder", spying)
     pre.preprocess(small_config(corpus, tmp_path / "out", tokenizer, workers=2,
                                 block_bytes=2000))
     assert len(names) > 4
