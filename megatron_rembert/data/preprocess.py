@@ -10,10 +10,10 @@ writes, in input order, so the output is identical whatever the number of worker
 
 Threads, not processes: SentencePiece encodes without the GIL (2 threads run 1.8x one on 2
 cores), and threads share the tokenizer and pay no start-up, pickling or pipe. Everything
-else holds the GIL and runs in the main thread (about a third of the CPU time: decoding,
-packing, writing), which caps the speed-up at about 3x one thread; on a large machine split
-the corpus by language (`--languages`) over several runs and join them with
-`data_tools/merge_datasets.py`.
+else runs in the main thread (decoding, packing, writing: about 30% of the CPU time); with
+the encoder's own Python side, about 40% holds the GIL, which caps the speed-up at about
+2.5x one thread. On a large machine split the corpus by language (`--languages`) over
+several runs and join them with `data_tools/merge_datasets.py`.
 
 Packing: a language's documents form one stream `d1 [SEP] d2 [SEP] ...`, cut into pieces
 of S-2 tokens, each stored as `[CLS] piece [SEP]`; a language's last sequence is padded. A
