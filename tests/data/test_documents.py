@@ -70,7 +70,11 @@ def _line(rng, kind: str) -> bytes:
         return text.encode()
     if r < 0.22:
         return rng.choice([b"{not json", b'{"txt": "x"}', b"[1, 2]", b'{"text": 3}',
-                           b'{"text": "\\ud800"}', b"  "])
+                           b'{"text": "\\ud800"}', b"  ", b'{"text": "a"} {"text": "b"}',
+                           b' {"text": "blank first"}', b'{"text": "two"}\t',
+                           b'{"text": "\\ud83d\\ude00 pair"}', b'{"text": "\\uDC00"}',
+                           b'{"text": "x", "text": "last wins"}', b'{"text": NaN}',
+                           b'{"text": "\\ufeff bom"}'])
     return json.dumps({"text": text}, ensure_ascii=bool(rng.random() < 0.5)).encode()
 
 
