@@ -283,7 +283,6 @@ class _Language:
         for split, (flat, offsets) in tokens.items():
             self.packers[split].add_many(flat, offsets)
         st["documents"] += n_docs
-        # A copy: the committed record keeps the counts of its own position.
         st["skipped"] = {k: st["skipped"][k] + skipped[k] for k in _COUNTED}
         # Checkpoints fall at block ends (blocks depend only on the file's bytes, so a
         # resumed run makes the same blocks).
