@@ -4,6 +4,7 @@ means something. The GPU run itself cannot happen here."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import sys
 from pathlib import Path
@@ -74,3 +75,37 @@ def test_help_and_no_gpu_message(bench: ModuleType, monkeypatch: pytest.MonkeyPa
     with pytest.raises(SystemExit) as exit_:
         bench.main()
     assert "needs a CUDA GPU" in str(exit_.value.code)  # a message: exit status 1
+
+
+def test_loss_chunks_argument(bench: ModuleType) -> None:
+    assert bench.parse_chunks("0,512, 2048") == [0, 512, 2048]
+    for bad in ("", "a,1", "-1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bench.parse_chunks(bad)
+
+
+def test_time_loss_runs_each_chunk_size(bench: ModuleType, monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture) -> None:
+    """The timing code runs on CPU with the CUDA-only calls stubbed: every --loss-chunks value
+    reaches linear_cross_entropy (0 as the default tiling), and each run is a real forward +
+    backward."""
+    seen, real = [], bench.linear_cross_entropy
+
+    def spy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        seen.append(kwargs.get("chunk_size"))
+        return real(*args, **kwargs)
+
+    def one_step(fn, inputs):  # noqa: ANN001, ANN202
+        fn(*inputs).float().sum().backward()
+        assert all(t.grad is not None for t in inputs)
+        return 1.0
+
+    monkeypatch.setattr(bench, "linear_cross_entropy", spy)
+    monkeypatch.setattr(bench, "fwd_bwd_ms", one_step)
+    monkeypatch.setattr(torch, "compile", lambda fn: fn)
+    for name in ("reset_peak_memory_stats", "memory_allocated", "max_memory_allocated"):
+        monkeypatch.setattr(torch.cuda, name, lambda: 0)
+    bench.time_loss(torch.float32, 40, 300, 16, [0, 8, 32], device="cpu")
+    assert seen == [None, 8, 32]
+    out = capsys.readouterr().out
+    assert "ours, 8 rows a chunk" in out and "compile" in out
