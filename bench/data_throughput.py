@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
                            "ideal 2.00"])
             for label, _, in_blocks in BASELINES[:2]:
                 key = ("sp.encode", 1, batch if in_blocks else None)
-                base_cpu = statistics.median(CPU_RATES[key])
+                base_cpu = statistics.median(CPU_RATES[key][-args.repeats:])  # not the warm-up
                 for w in (1, 2):
                     x = statistics.median(CPU_RATES[("preprocess", w)]) / base_cpu
                     ratios.append([f"CPU time: preprocess (workers={w}) / {label}",

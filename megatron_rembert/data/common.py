@@ -4,6 +4,7 @@ a bounded ordered map over a process pool and a console progress bar."""
 from __future__ import annotations
 
 import collections
+import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -46,6 +47,21 @@ class SpecialIds:
 
 
 SPECIAL_PIECES = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"}
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (a SLURM job's share, not the whole node)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+class Ready:
+    """A value already at hand, with the method ordered_map waits on (as a pool's result)."""
+
+    def __init__(self, value: Any = None):
+        self.value = value
+
+    def get(self) -> Any:
+        return self.value
 
 
 def ordered_map(

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from megatron_rembert.data.common import DataError, ordered_map
+from megatron_rembert.data.common import DataError, Ready, ordered_map
 from megatron_rembert.data.config import DataConfig
 from megatron_rembert.data.masking import MaskingConfig, default_max_predictions, mask_batch
 from megatron_rembert.data.sampler import ScheduledSampler, rank_sample_indices, rng_for
@@ -157,14 +157,6 @@ def _run(j: int):
     return _MAKE(j)
 
 
-class _Now:
-    def __init__(self, value):
-        self.value = value
-
-    def get(self):
-        return self.value
-
-
 def iterate_batches(make, start: int = 0, stop: int | None = None, num_workers: int = 2,
                     prefetch: int = 4, return_tensors: str = "pt",
                     mp_context: str = "spawn") -> Iterator[dict]:
@@ -184,7 +176,7 @@ def iterate_batches(make, start: int = 0, stop: int | None = None, num_workers: 
             return pool.apply_async(_run, (j,))
     else:
         def submit(j):
-            return _Now(make(j))
+            return Ready(make(j))
     try:
         in_flight = max(1, prefetch * max(num_workers, 1))
         for j, batch in ordered_map(submit, numbers, in_flight):

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import re
 import shutil
 import zlib
@@ -46,22 +45,19 @@ from megatron_rembert.data import corpus as corpus_mod
 from megatron_rembert.data.common import (
     DataError,
     ProgressBar,
+    Ready,
     SpecialIds,
     atomic_write,
     atomic_write_json,
     ordered_map,
     sha256_file,
+    usable_cpus,
 )
 from megatron_rembert.data.packing import Packer
 from megatron_rembert.data.shards import MANIFEST, SCHEMA_VERSION, WORD_STARTS, write_shard
 from megatron_rembert.data.tokenizer import check_special_ids, load_sentencepiece, word_start_table
 
 _COUNTED = ("blank_lines", "bad_utf8_lines", "long_lines", "bad_json_lines")
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on (a SLURM job's share, not the whole node)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 @dataclass
@@ -156,13 +152,6 @@ class _Tokenized:
         tokens = {split: t.result() if isinstance(t, Future) else t
                   for split, t in self.tokens.items()}
         return tokens, self.n_docs, self.skipped
-
-
-class _FileEnd:
-    """The marker of a file's end in the stream, with the method ordered_map waits on."""
-
-    def get(self):
-        return None
 
 
 def valid_docs(rel: str, lines: list[int], fraction: float) -> np.ndarray:
@@ -352,7 +341,7 @@ def preprocess(cfg: PreprocessConfig) -> dict:
     def submit(task):
         job, fi, block = task
         if block is None:
-            return _FileEnd()
+            return Ready()  # a file's end: nothing to wait for
         cf = job.files[fi]
         docs = _documents(block, cf.rel, cf.kind, cfg.max_line_bytes, cfg.valid_fraction)
         return _Tokenized(pool, encode, *docs)
