@@ -57,11 +57,17 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
 
 
 class HashingFile:
-    """A write-only binary file that keeps the sha256 and size of what went through it."""
+    """A write-only binary file that keeps the sha256 and size of what went through it.
 
-    def __init__(self, path: str | os.PathLike):
-        self.name = str(path)  # as a real file object has
-        self._file = open(path, "wb")
+    Given a path, it opens the file and fsyncs it on close. Given an open file (`file=`, as
+    `atomic_write` passes one, which fsyncs it itself), it only passes the writes on."""
+
+    closed = False  # what pyarrow checks before writing to a Python file object
+
+    def __init__(self, path: str | os.PathLike | None = None, file=None):
+        self._own = file is None
+        self._file = open(path, "wb") if self._own else file  # noqa: SIM115 - closed in close
+        self.name = str(path) if self._own else getattr(file, "name", "")  # as a file has
         self._hash = hashlib.sha256()
         self.size = 0
 
@@ -75,7 +81,7 @@ class HashingFile:
         self._file.flush()
 
     def close(self) -> None:
-        if not self._file.closed:
+        if self._own and not self._file.closed:
             self._file.flush()
             os.fsync(self._file.fileno())  # on disk before anything names the file good
             self._file.close()

@@ -219,7 +219,7 @@ def _byte_order_mark_encoding(f) -> str | None:
     return next((enc for bom, enc in _BOMS if head.startswith(bom)), None)
 
 
-DEFAULT_BLOCK_BYTES = 1 << 18  # 256 KiB of text: one preprocessing task
+DEFAULT_BLOCK_BYTES = 1 << 20  # 1 MiB of text: one preprocessing task
 
 
 class LineBlock(NamedTuple):
@@ -234,11 +234,13 @@ class LineBlock(NamedTuple):
 
 def _raw_blocks(read, max_line_bytes: int, block_bytes: int) -> Iterator[tuple[bytes, int]]:
     """(data, number of lines) of consecutive whole lines, cut at line ends once a block holds
-    `block_bytes`. Where blocks fall depends only on the text, so a resumed run (which reads
-    from the start of the file again) makes the same blocks as an uninterrupted one."""
+    `block_bytes` (read in quarters of that, so a block holds at most about 1.25 times it,
+    plus the line that crosses the mark). Where blocks fall depends only on the text, so a
+    resumed run (which reads from the start of the file again) makes the same blocks as an
+    uninterrupted one."""
     # line: the unfinished one, kept to limit bytes (longer than that: too long already)
     block, n, line, limit = bytearray(), 0, bytearray(), max_line_bytes + 1
-    while chunk := read(block_bytes):
+    while chunk := read(max(1, block_bytes // 4)):
         first_end = chunk.find(b"\n")
         if len(line) < limit:
             line += chunk if first_end < 0 else chunk[:first_end]

@@ -348,7 +348,7 @@ def preprocess(cfg: PreprocessConfig) -> dict:
 
     try:
         for (job, fi, block), result in ordered_map(submit, tasks(),
-                                                    max_in_flight=8 * cfg.workers + 8):
+                                                    max_in_flight=4 * cfg.workers + 4):
             job.take(fi, block, result)
     finally:
         if pool is not None:

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from megatron_rembert.checkpoint.atomic import HashingFile
 from megatron_rembert.data.common import DataError, SpecialIds, atomic_write, sha256_file
 
 SCHEMA_VERSION = 1
@@ -57,13 +58,17 @@ def write_shard(path: str | os.PathLike, rows: np.ndarray, lang: str, pad_id: in
                                                    pa.py_buffer(name * n)])
     batch = pa.record_batch([ids, langs], schema=arrow_schema(seq_length))
 
+    hashed = {}
+
     def write(f) -> None:  # the IPC stream format: what `datasets.Dataset.from_file` reads
-        with pa.ipc.new_stream(f, batch.schema) as w:
+        sink = HashingFile(file=f)  # hashed as written, not read back
+        with pa.ipc.new_stream(sink, batch.schema) as w:
             w.write_batch(batch)
+        hashed.update(sink.record())
 
     atomic_write(path, write)
-    return {"rows": int(n), "tokens": int((rows != pad_id).sum()), "language": lang,
-            "bytes": os.path.getsize(path), "sha256": sha256_file(path)}
+    return {"rows": int(n), "tokens": int(rows.size - np.count_nonzero(rows == pad_id)),
+            "language": lang, "bytes": hashed["size"], "sha256": hashed["sha256"]}
 
 
 def read_manifest(data_dir: str | os.PathLike) -> dict:

@@ -13,7 +13,7 @@ import pytest
 
 from megatron_rembert.data.common import DataError, sha256_file
 from megatron_rembert.data.inspection import verify
-from megatron_rembert.data.shards import ShardDataset
+from megatron_rembert.data.shards import ShardDataset, write_shard
 from tests.data.conftest import set_token, shard_entries
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -122,3 +122,15 @@ def test_out_of_range_token_names_shard_and_row(copy):
     set_token(shard, row=3, position=5, value=-1)
     with pytest.raises(DataError, match=rf"{shard.name} row 3: token id -1"):
         ds.get(lang, np.array([3, 0]))
+
+
+def test_write_shard_records_what_is_on_disk(tmp_path):
+    """The entry is hashed as the file is written; it must equal a hash of the file read back,
+    and the token count must leave out exactly the padding."""
+    rows = np.arange(5, 5 + 3 * 16, dtype=np.int32).reshape(3, 16)
+    rows[2, 9:] = 0  # a padded last row
+    entry = write_shard(tmp_path / "s.arrow", rows, "xx", pad_id=0)
+    path = tmp_path / "s.arrow"
+    assert entry == {"rows": 3, "tokens": 3 * 16 - 7, "language": "xx",
+                     "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+    assert [p.name for p in tmp_path.iterdir()] == ["s.arrow"]  # no temp file left
