@@ -125,32 +125,39 @@ def _buffer_encoder(sp):
 
 
 def _documents(block: corpus_mod.LineBlock, rel: str, kind: str, max_line_bytes: int,
-               valid_fraction: float) -> tuple[dict[str, list[str]], int, dict]:
-    """One block of lines of file `rel` -> ({split: its documents' texts}, documents, skip
-    counts): the per-line work (decoding, the skip rules, JSON), run by the main thread."""
+               valid_fraction: float) -> tuple[list[str], int, dict]:
+    """One block of lines of file `rel` -> (its documents' texts, the train split's first, then
+    the validation split's; how many go to train; skip counts): the per-line work (decoding,
+    the skip rules, JSON), run by the main thread."""
     stats = corpus_mod.SkipStats()
     lines, texts = corpus_mod.documents_in_block(block, kind, max_line_bytes, stats)
     valid = valid_docs(rel, lines, valid_fraction)
-    if valid.any():
-        splits = {"train": list(itertools.compress(texts, ~valid)),
-                  "valid": list(itertools.compress(texts, valid))}
-    else:  # most blocks
-        splits = {"train": texts}
-    return splits, len(texts), {k: getattr(stats, k) for k in _COUNTED}
+    n_train = len(texts) - int(np.count_nonzero(valid))
+    if n_train < len(texts):  # most blocks of 1 MiB hold a few validation documents
+        texts = list(itertools.compress(texts, ~valid)) + list(itertools.compress(texts, valid))
+    return texts, n_train, {k: getattr(stats, k) for k in _COUNTED}
 
 
 class _Tokenized:
-    """A block's documents, their encoding submitted to `pool` (None: encoded here). `get`,
-    what ordered_map waits on, returns ({split: (flat ids, offsets)}, documents, skips)."""
+    """A block's documents, their encoding submitted to `pool` (None: encoded here) as one
+    call. `get`, what ordered_map waits on, returns ({split: (flat ids, offsets)}, documents,
+    skips)."""
 
-    def __init__(self, pool, encode, splits: dict, n_docs: int, skipped: dict):
-        self.tokens = {split: pool.submit(encode, texts) if pool else encode(texts)
-                       for split, texts in splits.items() if texts}
-        self.n_docs, self.skipped = n_docs, skipped
+    def __init__(self, pool, encode, texts: list[str], n_train: int, skipped: dict):
+        self.tokens = pool.submit(encode, texts) if pool and texts else Ready(
+            encode(texts) if texts else None)
+        self.n_docs, self.n_train, self.skipped = len(texts), n_train, skipped
 
     def get(self):
-        tokens = {split: t.result() if isinstance(t, Future) else t
-                  for split, t in self.tokens.items()}
+        result = self.tokens.result() if isinstance(self.tokens, Future) else self.tokens.get()
+        tokens = {}
+        if result is not None:
+            flat, offsets = result
+            cut = offsets[self.n_train]  # views of the train and validation documents' ids
+            if self.n_train:
+                tokens["train"] = (flat[:cut], offsets[:self.n_train + 1])
+            if self.n_train < self.n_docs:
+                tokens["valid"] = (flat[cut:], offsets[self.n_train:] - cut)
         return tokens, self.n_docs, self.skipped
 
 
