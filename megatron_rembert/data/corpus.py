@@ -250,7 +250,8 @@ def _raw_blocks(read, max_line_bytes: int, block_bytes: int) -> Iterator[tuple[b
         block += line
         block += b"\n"
         last_end = chunk.rfind(b"\n")
-        block += chunk[first_end + 1: last_end + 1]  # whole lines; the parser finds long ones
+        # whole lines (the parser finds long ones), through a view: no copy of the slice
+        block += memoryview(chunk)[first_end + 1: last_end + 1]
         n += 1 + chunk.count(b"\n", first_end + 1, last_end + 1)
         line = bytearray(chunk[last_end + 1: last_end + 1 + limit])
         if len(block) >= block_bytes:

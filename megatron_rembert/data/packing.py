@@ -39,7 +39,7 @@ class Packer:
         self._n_rows += len(rows)
 
     def _make(self, pieces: np.ndarray) -> np.ndarray:  # [n, S-2] -> [n, S]
-        out = np.full((len(pieces), self.S), self.ids.pad, dtype=np.int32)
+        out = np.empty((len(pieces), self.S), dtype=np.int32)  # every column is set below
         out[:, 0], out[:, 1:-1], out[:, -1] = self.ids.cls, pieces, self.ids.sep
         return out
 
