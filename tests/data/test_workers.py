@@ -15,8 +15,9 @@ def _shards(manifest: dict) -> list[tuple]:
 
 def test_workers_and_block_size_do_not_change_the_train_shards(corpus, tokenizer, dataset,
                                                                  tmp_path):
-    """The reference is the session dataset (1 worker, 256 KiB blocks). Validation shards are
-    cut at checkpoints, which fall at block ends, so only their concatenation is compared."""
+    """The reference is the session dataset (1 worker, the default 1 MiB blocks). Validation
+    shards are cut at checkpoints, which fall at block ends, so only their concatenation is
+    compared."""
     reference = json.loads((dataset / "manifest.json").read_text())
     for workers, block in ((0, 1 << 18), (2, 3000)):
         m = preprocess(small_config(corpus, tmp_path / f"w{workers}", tokenizer, workers=workers,
