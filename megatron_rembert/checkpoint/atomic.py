@@ -62,14 +62,16 @@ class HashingFile:
     Given a path, it opens the file and fsyncs it on close. Given an open file (`file=`, as
     `atomic_write` passes one, which fsyncs it itself), it only passes the writes on."""
 
-    closed = False  # what pyarrow checks before writing to a Python file object
-
     def __init__(self, path: str | os.PathLike | None = None, file=None):
         self._own = file is None
         self._file = open(path, "wb") if self._own else file  # noqa: SIM115 - closed in close
         self.name = str(path) if self._own else getattr(file, "name", "")  # as a file has
         self._hash = hashlib.sha256()
         self.size = 0
+
+    @property
+    def closed(self) -> bool:  # pyarrow checks it before writing to a Python file object
+        return self._file.closed
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
