@@ -60,8 +60,9 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _split_param((out_features, in_features), 0)  # out/tp x in
         self.bias = _split_param((out_features,), 0) if bias else None  # out/tp
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
+        """`add_bias=False` leaves the bias to the caller (a fused kernel adds it)."""
+        return F.linear(x, self.weight, self.bias if add_bias else None)
 
 
 class RowParallelLinear(nn.Module):
@@ -76,9 +77,10 @@ class RowParallelLinear(nn.Module):
         self.weight = _split_param((out_features, in_features), 1)  # out x in/tp
         self.bias = _split_param((out_features,), None) if bias else None  # out
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
+        """`add_bias=False` leaves the bias to the caller (a fused kernel adds it)."""
         y = reduce_from_tp(F.linear(x, self.weight))
-        return y if self.bias is None else y + self.bias
+        return y if self.bias is None or not add_bias else y + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):
