@@ -60,6 +60,7 @@ def layer_times(config, micro: int, seq: int, predictions: int, dtype, device,
     inputs = pipeline_inputs(batch)
     embedding = EmbeddingPipe(m).to(device, dtype)
     layer = TransformerLayerPipe(m, 0).to(device, dtype)
+    layer.unpadded = True  # the flash path, as the trainer tells the stages for packed rows
     head = MLMHeadPipe(m).to(device, dtype)
     hidden, *rest = embedding(inputs)
     carried = (hidden.detach().requires_grad_(), *rest)

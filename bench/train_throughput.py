@@ -19,9 +19,14 @@ ratio. `--gpu-only` skips the CPU comparison; that part needs only torch and
 triton (no DeepSpeed, transformers or PyYAML), so it runs on a bare GPU image. `--trainer`
 measures the trainer's real step instead (DeepSpeed, bf16 + ds_configs/zero1_bf16.json,
 gradient accumulation, one GPU), with its peak memory against train.py --dry-run's estimate.
+`--engine` measures what the engine costs: the trainer's step (training.engine.Trainer with the
+production DeepSpeed config of the precision: bf16 + zero1_bf16.json, or fp32 + cpu_fp32.json)
+against the bare model + torch's fused AdamW on the same batches, at each accumulation in
+`--engine-gas`, with the parts of the bare step (forward + backward per micro-batch, optimizer).
 
     python bench/train_throughput.py [--steps 3] [--batch 16] [--seq 128] [--gpu-only]
     python bench/train_throughput.py --trainer [--gpu-batch 16] [--gas 2] [--steps 3]
+    python bench/train_throughput.py --engine [--precision bf16] [--engine-gas 1 8]
 """
 
 from __future__ import annotations
@@ -164,6 +169,87 @@ def deepspeed_step_time(config: ModelConfig, batches: list[dict]) -> float:
     state.initialize_model_parallel(layout)
     trainer = Trainer(run, layout, device=torch.device("cpu"))
     return timed(lambda batch: trainer.train_step([batch]), batches, lambda: None)
+
+
+def engine_comparison(config: ModelConfig, precision: str, micro: int, seq: int,
+                      gas_values: list[int], steps: int, device: torch.device) -> list[dict]:
+    """Seconds per step of the trainer (DeepSpeed, production config of `precision`) and of the
+    bare model + fused AdamW, on the same batches, for each accumulation in `gas_values`;
+    medians over `steps` timed steps after one warm-up. One process (gloo on CPU, NCCL on a
+    GPU)."""
+    import gc
+
+    from megatron_rembert.parallel import state
+    from megatron_rembert.run_config import Config, TrainConfig, validate_config
+    from megatron_rembert.training.engine import Trainer
+    from megatron_rembert.training.loop import setup_distributed
+
+    root = Path(__file__).resolve().parents[1]
+    os.environ.setdefault("MASTER_PORT", "29593")
+    setup_distributed(10.0)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    results = []
+    for gas in gas_values:
+        batches = [[make_batch(config, micro, seq, step * gas + i, "cpu") for i in range(gas)]
+                   for step in range(steps + 1)]  # on the host, as the loader delivers them
+        # The bare step: the model in the training dtype, gradients accumulated by autograd,
+        # one fused AdamW step on the parameters themselves.
+        model = RemBertForPreTraining(config)
+        model.init_weights(0)
+        model = model.to(device=device, dtype=dtype)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        parts = {"forward + backward": [], "optimizer": []}
+
+        def bare_step(micro_batches, model=model, optimizer=optimizer, parts=parts):
+            optimizer.zero_grad(set_to_none=True)
+            tokens = sum(float(mb["masked_weights"].sum()) for mb in micro_batches)
+            for mb in micro_batches:
+                start = time.perf_counter()
+                out = model(**{k: v if k == "unpadded" else v.to(device) for k, v in mb.items()})
+                (out.loss_sum / tokens).backward()
+                sync()
+                parts["forward + backward"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            optimizer.step()
+            sync()
+            parts["optimizer"].append(time.perf_counter() - start)
+
+        bare = timed(bare_step, batches, sync)
+        bare_parts = {k: statistics.median(v[len(v) // (steps + 1):]) for k, v in parts.items()}
+        del model, optimizer
+        gc.collect()
+        run = Config(model=config, train=TrainConfig(
+            global_batch_size=micro * gas, micro_batch_size=micro, precision=precision, seed=0))
+        run.optim.lr, run.optim.warmup_steps, run.parallel.zero_stage = 1e-4, 1, 1
+        json_name = "zero1_bf16.json" if precision == "bf16" else "cpu_fp32.json"
+        run.parallel.ds_config = str(root / "ds_configs" / json_name)
+        layout = validate_config(run, 1)
+        state.initialize_model_parallel(layout)
+        trainer = Trainer(run, layout, device)
+        engine = timed(trainer.train_step, batches, sync)
+        results.append({"gas": gas, "bare": bare, "trainer": engine,
+                        "wrapper": type(trainer.optimizer).__name__, **bare_parts})
+        del trainer
+        gc.collect()
+    return results
+
+
+def engine_report(args) -> None:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    config = get_preset("rembert") if device.type == "cuda" else bench_config()
+    micro, seq = (args.gpu_batch, 512) if device.type == "cuda" else (args.batch, args.seq)
+    rows = engine_comparison(config, args.precision, micro, seq, args.engine_gas, args.steps,
+                             device)
+    print(f"engine cost, {device.type}: {config.num_hidden_layers} layers, H "
+          f"{config.hidden_size}, V {config.vocab_size:,}; micro-batch {micro} x {seq}, "
+          f"{args.precision}; medians of {args.steps} steps")
+    print(f"{'gas':>4} {'fwd+bwd/mb':>11} {'bare opt':>9} {'bare step':>10} {'trainer':>9} "
+          f"{'engine':>9} {'bare/trainer':>13}  (seconds; trainer optimizer)")
+    for r in rows:
+        print(f"{r['gas']:>4} {r['forward + backward']:11.3f} {r['optimizer']:9.3f} "
+              f"{r['bare']:10.3f} {r['trainer']:9.3f} {r['trainer'] - r['bare']:9.3f} "
+              f"{r['bare'] / r['trainer']:12.3f}x  ({r['wrapper']})")
 
 
 def preset_throughput(preset: str, batch: int, seq: int, steps: int,
@@ -310,7 +396,16 @@ def main() -> None:
                         help="also the rembert step with model.compile (GPU)")
     parser.add_argument("--trainer", action="store_true",
                         help="only the trainer's step (DeepSpeed) for rembert on one GPU")
+    parser.add_argument("--engine", action="store_true",
+                        help="only the trainer's step against the bare model + fused AdamW")
+    parser.add_argument("--engine-gas", type=int, nargs="+", default=[1, 8],
+                        help="accumulation steps for --engine")
+    parser.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
+                        help="precision for --engine")
     args = parser.parse_args()
+    if args.engine:
+        engine_report(args)
+        return
     if args.trainer:
         if not torch.cuda.is_available():
             sys.exit("--trainer: no CUDA device")

@@ -29,13 +29,15 @@ from megatron_rembert.model.mlm_head import MLMHead, MLMLoss, gather_positions
 from megatron_rembert.model.transformer import TransformerLayer
 
 # The order of the tuples between stages, the one place it is defined. The first stage's
-# inputs are the keys of a micro-batch (data.masking.BATCH_DTYPES), the weights as int32 bits.
+# inputs are the device tensors of a micro-batch (data.masking.BATCH_DTYPES), the weights as
+# int32 bits. The batch's host flag `unpadded` does not travel: reading a device tensor to
+# choose the attention call would wait for the device in every layer; each stage is told the
+# step's attention path instead (`set_unpadded`).
 PIPE_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "masked_positions",
-               "masked_labels", "masked_weights", "unpadded")
-# What every later stage receives. `unpadded` travels with its micro-batch, so every stage
-# and TP rank takes the same attention path for it.
+               "masked_labels", "masked_weights")
+# What every later stage receives.
 PIPE_ACTIVATIONS = ("hidden", "attention_mask", "masked_positions", "masked_labels",
-                    "masked_weights", "unpadded")
+                    "masked_weights")
 
 
 # Global name prefixes of the pipeline layers: 0 embeddings, 1..L Transformer layers, L+1 head.
@@ -93,12 +95,24 @@ class TransformerLayerPipe(TransformerLayer):
     def __init__(self, config: ModelConfig, index: int):
         super().__init__(config)
         self.pipe_prefix = f"{LAYERS_PREFIX}{index}."
+        # The attention path of the micro-batches now running (set_unpadded): True runs
+        # attention without a mask (FlashAttention on CUDA).
+        self.unpadded = False
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         x = _named(PIPE_ACTIVATIONS, inputs)
-        # A device tensor here (the engine moves and sends it): one read per layer.
-        key_mask = None if bool(x["unpadded"]) else x["attention_mask"].bool()
+        key_mask = None if self.unpadded else x["attention_mask"].bool()
         return _activations(super().forward(x["hidden"], key_mask), x)
+
+
+def set_unpadded(layers, unpadded: bool) -> None:
+    """Tell a stage's layers that the micro-batches they run next hold no padding (or may).
+    Every stage and TP rank of a pipeline gets the same value from the same host batches, so
+    they all take the same attention path; activation checkpointing's recomputation, within
+    the same step, sees the same value."""
+    for layer in layers:
+        if isinstance(layer, TransformerLayerPipe):
+            layer.unpadded = unpadded
 
 
 class MLMHeadPipe(MLMHead):

@@ -47,8 +47,9 @@ class RemBertModel(nn.Module):
                 token_type_ids: torch.Tensor | None = None, output_hidden_states: bool = False,
                 unpadded: torch.Tensor | bool = False):
         """input_ids, attention_mask (1 = real token), token_type_ids: B x S. `unpadded`
-        (the batch key, best a host tensor: it is read here) says that attention_mask is all
-        ones; attention then runs without a mask, as it does when attention_mask is None.
+        (the batch key; the trainer passes it as a Python bool, a tensor is read here) says
+        that attention_mask is all ones; attention then runs without a mask, as it does when
+        attention_mask is None.
 
         Returns the last hidden state B x S x H, or with output_hidden_states the list of the
         hidden states after the embeddings and after every layer (as transformers does).

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_rembert.kernels.embedding import embedding_into_main_grad
 from megatron_rembert.parallel import state
 from megatron_rembert.parallel.mappings import reduce_from_tp
 
@@ -102,12 +103,22 @@ class VocabParallelEmbedding(nn.Module):
             local_pad = padding_idx - self.vocab_start
         self.local_padding_idx = local_pad
 
+    def _lookup(self, local_ids: torch.Tensor) -> torch.Tensor:
+        """Rows of this shard. Under the trainer's fp32 main gradients (training/main_grads.py)
+        backward adds each token's row into `weight.main_grad` (tokens x E work) instead of
+        producing a dense V_local x E gradient."""
+        main_grad = getattr(self.weight, "main_grad", None)
+        if main_grad is not None and torch.is_grad_enabled() and self.weight.requires_grad:
+            return embedding_into_main_grad(local_ids, self.weight, main_grad,
+                                            self.local_padding_idx)
+        return F.embedding(local_ids, self.weight, self.local_padding_idx)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if state.tp_size() == 1:
-            return F.embedding(ids, self.weight, self.local_padding_idx)
+            return self._lookup(ids)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
-        out = F.embedding(local_ids, self.weight, self.local_padding_idx)  # ... x E
+        out = self._lookup(local_ids)  # ... x E; rows of other shards are zeroed below
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_tp(out)
 

@@ -7,7 +7,8 @@ pp > 1: a `PipelineModule` (1F1B) whose stages are balanced by training FLOPs
 Loss normalisation is layout-independent: the gradient is that of
     sum of per-token losses over the global batch / number of real masked tokens in it,
 so each micro-batch's backward gets `loss_sum * gas * dp / global_tokens` (DeepSpeed divides
-by the gradient-accumulation steps and averages over DP).
+by the gradient-accumulation steps and averages over DP), or `loss_sum * gas / global_tokens`
+where training/main_grads.py sums over DP instead (bf16 with ZeRO-1).
 
 Both branches run a global batch the same way: `_prepare` makes a `_StepContext` (that batch's
 loss factor and running statistics), and every micro-batch's `MLMLoss` goes through its
@@ -26,16 +27,22 @@ from torch.utils.checkpoint import checkpoint
 
 from megatron_rembert.data.masking import BATCH_DTYPES
 from megatron_rembert.model.mlm_head import MLMLoss
-from megatron_rembert.model.pipeline import pipeline_inputs, pipeline_layer_builders
+from megatron_rembert.model.pipeline import (
+    pipeline_inputs,
+    pipeline_layer_builders,
+    set_unpadded,
+)
 from megatron_rembert.model.rembert import RemBertForPreTraining
 from megatron_rembert.parallel import comm, state
 from megatron_rembert.parallel.layers import init_weights, is_tp_sharded
 from megatron_rembert.parallel.layout import Layout
 from megatron_rembert.parallel.random import checkpoint_safe
 from megatron_rembert.run_config import Config
+from megatron_rembert.training import deepspeed_private
 from megatron_rembert.training.estimate import stage_plan
 from megatron_rembert.training.hang import POSITION
 from megatron_rembert.training.lamb import Lamb
+from megatron_rembert.training.main_grads import MainGradients, uses_bf16_optimizer
 from megatron_rembert.training.optim import build_optimizer, build_scheduler, deepspeed_config
 
 
@@ -99,22 +106,16 @@ def _recompute(function, *args):
 
 
 def _build_pipeline(config: Config, layout: Layout):
-    from deepspeed.pipe import LayerSpec, PipelineModule
+    from deepspeed.pipe import LayerSpec
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-    boundaries = stage_plan(config, layout).boundaries
-
-    class RemBertPipelineModule(PipelineModule):
-        # Our stage boundaries (balanced by training FLOPs, the same on every rank) instead
-        # of DeepSpeed's methods, which balance parameters or layer counts.
-        def _partition_layers(self, method: str = "") -> None:
-            self.parts = list(boundaries)
-            stage = self._topo.get_coord(self.global_rank).pipe
-            self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
-
+    # Our stage boundaries (balanced by training FLOPs, the same on every rank) instead of
+    # DeepSpeed's methods, which balance parameters or layer counts.
+    module_class = deepspeed_private.pipeline_module_with_boundaries(
+        stage_plan(config, layout).boundaries)
     topology = PipeModelDataParallelTopology(num_pp=layout.pp, num_mp=layout.tp, num_dp=layout.dp)
     specs = [LayerSpec(cls, *args) for cls, args in pipeline_layer_builders(config.model)]
-    module = RemBertPipelineModule(
+    module = module_class(
         layers=specs, topology=topology, partition_method="ours",
         activation_checkpoint_interval=1 if config.parallel.activation_checkpointing else 0,
         activation_checkpoint_func=_recompute, checkpointable_layers=["TransformerLayerPipe"])
@@ -134,6 +135,7 @@ class Trainer:
     def __init__(self, config: Config, layout: Layout, device: torch.device):
         import deepspeed
 
+        deepspeed_private.check_private_names()
         self.config, self.layout, self.device = config, layout, device
         self.pipeline = layout.pp > 1
         # Stage i owns pipeline layers [b_i, b_i+1): the checkpoint metadata records it, since
@@ -155,6 +157,12 @@ class Trainer:
             mpu=None if self.pipeline else state.DeepSpeedMPU())
         if isinstance(optimizer, Lamb) and self.optimizer is not optimizer:
             optimizer.use_flat_partitions(self.optimizer)
+        # bf16 with ZeRO-1 (the production setting): fp32 main gradients accumulated and
+        # reduced by us, in DeepSpeed's own buffers (training/main_grads.py).
+        self.main_grads = (MainGradients(self.engine, self.pipeline)
+                           if uses_bf16_optimizer(self.optimizer) else None)
+        # DeepSpeed averages gradients over DP; with main gradients the DP reduction is a sum.
+        self.dp_average = self.main_grads is None
         if self.pipeline:
             _track_instructions(self.engine)
 
@@ -174,11 +182,15 @@ class Trainer:
         local = sum(float(mb["masked_weights"].sum()) for mb in micro_batches)  # CPU tensors
         tokens = comm.all_reduce(torch.tensor(local, dtype=torch.float32, device=self.device),
                                  group=state.get_state().dp_group)
-        step = _StepContext((self.layout.gas * self.layout.dp) / tokens.clamp(min=1.0))
-        # `unpadded` stays on the host: the model reads it to pick the attention call, and
-        # reading a device tensor would wait for the device.
-        moved = [{k: v if k == "unpadded" else v.to(self.device, non_blocking=True)
+        dp = self.layout.dp if self.dp_average else 1
+        step = _StepContext((self.layout.gas * dp) / tokens.clamp(min=1.0))
+        # `unpadded` becomes a Python bool here, on the host: the model picks the attention
+        # call from it, and reading a device tensor would wait for the device. A pipeline runs
+        # the step's micro-batches on one path: unpadded when all of them are.
+        moved = [{k: bool(v) if k == "unpadded" else v.to(self.device, non_blocking=True)
                   for k, v in mb.items()} for mb in micro_batches]
+        if self.pipeline:
+            set_unpadded(self.engine.module.forward_funcs, all(mb["unpadded"] for mb in moved))
         return moved, step
 
     def _finish_stats(self, step: _StepContext) -> tuple[float, float, int]:
@@ -202,13 +214,8 @@ class Trainer:
             self.engine.module.loss_fn = step.scaled_loss  # on the last stage, per micro-batch
             self.engine.train_batch(data_iter=self._pipeline_items(micro_batches))
         else:
-            own_norm = None  # DeepSpeed clips with the norm at ZeRO 0 but reports None
-            for i, mb in enumerate(micro_batches):
-                POSITION.set(detail=f"micro-batch {i + 1}/{len(micro_batches)}")
-                self.engine.backward(step.scaled_loss(self.engine(**mb)))
-                if i == len(micro_batches) - 1 and self.config.parallel.zero_stage == 0:
-                    own_norm = self._grad_norm()
-                self.engine.step()
+            self.forward_backward(micro_batches, step)
+            own_norm = self.optimizer_step()
         POSITION.set(detail="step statistics")
         loss, acc, tokens = self._finish_stats(step)
         grad_norm = self.engine.get_global_grad_norm()
@@ -221,6 +228,23 @@ class Trainer:
             grad_norm=None if grad_norm is None or not math.isfinite(grad_norm) else grad_norm,
             loss_scale=self.loss_scale(), lr=lr,
             skipped=self.engine.skipped_steps > skipped_before)
+
+    def forward_backward(self, micro_batches: list[dict], step: _StepContext) -> None:
+        """pp = 1: forward and backward of every micro-batch of a step, with DeepSpeed's
+        bookkeeping between them; nothing here waits for the device
+        (tests/training/test_host_syncs.py)."""
+        for i, mb in enumerate(micro_batches):
+            POSITION.set(detail=f"micro-batch {i + 1}/{len(micro_batches)}")
+            self.engine.backward(step.scaled_loss(self.engine(**mb)))
+            if i < len(micro_batches) - 1:
+                self.engine.step()  # not an accumulation boundary: counters only
+
+    def optimizer_step(self) -> torch.Tensor | None:
+        """pp = 1, after the last backward: DeepSpeed's boundary step (the optimizer). Returns
+        our gradient norm where DeepSpeed clips with one but reports none (ZeRO 0)."""
+        own_norm = self._grad_norm() if self.config.parallel.zero_stage == 0 else None
+        self.engine.step()
+        return own_norm
 
     @torch.no_grad()
     def _grad_norm(self) -> torch.Tensor:
@@ -258,11 +282,7 @@ class Trainer:
 
 def _track_instructions(engine) -> None:
     """Record each pipeline-schedule instruction in POSITION before it runs, so that a hang
-    names it. DeepSpeed's pipeline engine looks its instructions up in `_INSTRUCTION_MAP`
-    through the instance; an instance-level copy wraps them (skipped if that changes)."""
-    base = getattr(type(engine), "_INSTRUCTION_MAP", None)
-    if not isinstance(base, dict):
-        return
+    names it."""
 
     def tracked(kind, run):
         def run_tracked(self, **kwargs):
@@ -271,4 +291,4 @@ def _track_instructions(engine) -> None:
             return run(self, **kwargs)
         return run_tracked
 
-    engine._INSTRUCTION_MAP = {kind: tracked(kind, run) for kind, run in base.items()}
+    deepspeed_private.wrap_pipeline_instructions(engine, tracked)

@@ -32,6 +32,14 @@ OWNED_DS_KEYS = {
 }
 
 
+# Keys of the DeepSpeed config that we fix, and why: a ds_config JSON may not set them either.
+FIXED_DS_KEYS = {
+    # training/main_grads.py accumulates bf16 gradients with its own hooks; DeepSpeed's would
+    # add every gradient a second time.
+    "bf16.immediate_grad_update": "gradients are accumulated by training/main_grads.py",
+}
+
+
 def load_ds_config(path: str | Path) -> dict:
     """The user's DeepSpeed JSON, refused (ConfigError naming the file and key) if it is
     missing, not a JSON object, or sets a key of OWNED_DS_KEYS."""
@@ -45,12 +53,15 @@ def load_ds_config(path: str | Path) -> dict:
     if not isinstance(ds, dict):
         raise ConfigError(f"parallel.ds_config={path}: expected a JSON object, got "
                           f"{type(ds).__name__}")
-    for key, ours in OWNED_DS_KEYS.items():
+    for key in (*OWNED_DS_KEYS, *FIXED_DS_KEYS):
         parent, _, leaf = key.rpartition(".")
         section = ds.get(parent) if parent else ds
         if isinstance(section, dict) and leaf in section:
+            if key in FIXED_DS_KEYS:
+                raise ConfigError(f"parallel.ds_config={path} sets {key}, which is fixed "
+                                  f"({FIXED_DS_KEYS[key]}): remove it from the JSON")
             raise ConfigError(f"parallel.ds_config={path} sets {key}, which our config owns: "
-                              f"remove it from the JSON and set {ours} instead")
+                              f"remove it from the JSON and set {OWNED_DS_KEYS[key]} instead")
     return ds
 
 
@@ -75,7 +86,8 @@ def deepspeed_config(config: Config, layout: Layout) -> dict:
                           "gradients are accumulated in fp32: remove the key")
     if train.precision != "fp32":
         ds.setdefault("communication_data_type", "fp32")
-    ds.setdefault("bf16", {})["enabled"] = train.precision == "bf16"
+    ds.setdefault("bf16", {}).update(enabled=train.precision == "bf16",
+                                     immediate_grad_update=False)
     ds.setdefault("fp16", {})["enabled"] = train.precision == "fp16"
     ds.setdefault("zero_optimization", {})["stage"] = config.parallel.zero_stage
     if config.optim.name == "lamb":

@@ -17,6 +17,7 @@ from torch import nn
 from megatron_rembert.checkpoint.portable import OPTIM_KEYS, PortableReader
 from megatron_rembert.checkpoint.specs import ParamSpec
 from megatron_rembert.parallel import state
+from megatron_rembert.training import deepspeed_private
 
 
 def local_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -69,8 +70,7 @@ def load_full_tensors(engine, source: ShardSource, meta: dict) -> None:
     if not weights_only and flats is not None:
         for group, flat in enumerate(flats):  # Adam's state is created lazily: create it now
             init_adam_state(base.state.setdefault(flat, {}), flat, steps[group])
-        opt._hp_optimizer_states_linked = False
-        opt._lazy_init_hp_params_optimizer_state()
+        deepspeed_private.relink_optimizer_state(opt)
     group_of = {id(p): g for g, grp in enumerate(base.param_groups) for p in grp["params"]}
     tp, tp_rank = state.tp_size(), state.tp_rank()
     for name, param in local_parameters(engine.module):

@@ -6,7 +6,11 @@ import torch
 import torch.nn.functional as F
 
 from megatron_rembert.data.loader import unpadded_flag
-from megatron_rembert.model.pipeline import pipeline_inputs, pipeline_layer_builders
+from megatron_rembert.model.pipeline import (
+    pipeline_inputs,
+    pipeline_layer_builders,
+    set_unpadded,
+)
 from megatron_rembert.model.rembert import RemBertForPreTraining
 from megatron_rembert.parallel.layers import init_weights
 from megatron_rembert.training.engine import check_micro_batch
@@ -69,24 +73,24 @@ def test_no_mask_path_equals_the_masked_one(backend, dtype, tolerance, monkeypat
         assert diff <= tolerance * max(1.0, grad.float().abs().max().item()), name
 
 
-def test_pipeline_layers_pass_the_flag_to_every_layer():
-    """Run the pipeline layers in one process: unpadded travels from the first stage's inputs
-    to every Transformer layer (a padded batch flagged unpadded attends to its padding)."""
+def test_pipeline_layers_take_the_path_they_are_told():
+    """Run the pipeline layers in one process: `set_unpadded` reaches every Transformer layer
+    (a padded batch run unpadded attends to its padding), and the flag is not an input."""
     config = small_config()
     layers = [cls(*args) for cls, args in pipeline_layer_builders(config)]
     for layer in layers:
         init_weights(layer, 1, config.initializer_range, prefix=layer.pipe_prefix)
 
-    def run(batch):  # -> the last Transformer layer's output and the loss
+    def run(batch, unpadded):  # -> the last Transformer layer's output and the loss
+        set_unpadded(layers, unpadded)
         x = pipeline_inputs(batch)
         for layer in layers[:-1]:
             x = layer(x)
         return x[0], layers[-1](x).loss_sum
 
     full = _full_batch(config)
-    hidden, loss = run(full)
-    masked_hidden, masked_loss = run({**full, "unpadded": torch.zeros(1, dtype=torch.long)})
+    hidden, loss = run(full, True)
+    masked_hidden, masked_loss = run(full, False)
     assert (hidden - masked_hidden).abs().max() <= 1e-6 and loss == masked_loss
     padded = random_batch(config)
-    lying = run({**padded, "unpadded": torch.ones(1, dtype=torch.long)})[0]
-    assert (lying - run(padded)[0]).abs().max() > 1e-3
+    assert (run(padded, True)[0] - run(padded, False)[0]).abs().max() > 1e-3

@@ -53,6 +53,7 @@ def _masters_and_momentum(trainer, with_momentum: bool = True) -> tuple[dict, di
     parameters (all-gathered over DP by DeepSpeed's own accessors; still a TP shard)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
+    from megatron_rembert.training import deepspeed_private
     from megatron_rembert.training.portable import local_parameters
 
     masters, momentum = {}, {}
@@ -60,8 +61,7 @@ def _masters_and_momentum(trainer, with_momentum: bool = True) -> tuple[dict, di
     base = getattr(opt, "optimizer", opt)
     if with_momentum and hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
         # ZeRO-2 re-creates its parameter mappings after the link to Adam's state was made.
-        opt._hp_optimizer_states_linked = False
-        opt._lazy_init_hp_params_optimizer_state()
+        deepspeed_private.relink_optimizer_state(opt)
     for name, param in local_parameters(trainer.engine.module):
         master = safe_get_full_fp32_param(param)
         masters[name] = (param if master is None else master).detach().float().clone()

@@ -1,0 +1,106 @@
+"""Every private DeepSpeed name the trainer relies on, in one place, checked at start-up.
+
+DeepSpeed's public API does not reach what the trainer needs (our stage split for the pipeline,
+the BF16 optimizer's flat fp32 buffers, a hang report per pipeline instruction), so a few
+private attributes are used. Their behaviour is what DeepSpeed 0.19 does; `check_private_names`
+fails at start-up, naming the installed version and the missing name, instead of a run failing
+later in an AttributeError or, worse, training differently.
+"""
+
+from __future__ import annotations
+
+# class path -> the private attributes we use on it (methods or attributes set in __init__)
+PRIVATE_NAMES = {
+    "deepspeed.runtime.pipe.module.PipelineModule": ("_partition_layers", "_set_bounds"),
+    "deepspeed.runtime.pipe.engine.PipelineEngine": ("_INSTRUCTION_MAP",),
+    "deepspeed.runtime.bf16_optimizer.BF16_Optimizer": ("_lazy_init_hp_params_optimizer_state",),
+    "deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer": (
+        "_lazy_init_hp_params_optimizer_state",),
+}
+# Instance attributes of a built BF16_Optimizer that training/main_grads.py reads.
+BF16_BUFFERS = ("bf16_groups", "fp32_groups_gradients", "fp32_groups_gradients_flat",
+                "fp32_groups_flat_partition", "fp32_groups_gradient_flat_partition",
+                "update_lp_params", "optimizer", "clip_grad", "overflow",
+                "_hp_optimizer_states_linked")
+SUPPORTED = "0.19"  # the minor version these names were read from (pyproject bounds it too)
+
+
+class DeepSpeedVersionError(RuntimeError):
+    """The installed DeepSpeed lacks a private name the trainer relies on."""
+
+
+def _version() -> str:
+    import deepspeed
+
+    return getattr(deepspeed, "__version__", "unknown")
+
+
+def _missing(message: str) -> DeepSpeedVersionError:
+    return DeepSpeedVersionError(
+        f"DeepSpeed {_version()}: {message}; megatron-rembert relies on it as DeepSpeed "
+        f"{SUPPORTED}.x has it (megatron_rembert/training/deepspeed_private.py): install "
+        f"deepspeed=={SUPPORTED}.*")
+
+
+def check_private_names() -> None:
+    """Raise DeepSpeedVersionError naming the first private name this DeepSpeed lacks."""
+    import importlib
+
+    for path, names in PRIVATE_NAMES.items():
+        module, _, cls_name = path.rpartition(".")
+        cls = getattr(importlib.import_module(module), cls_name, None)
+        if cls is None:
+            raise _missing(f"no class {path}")
+        for name in names:
+            if not hasattr(cls, name):
+                raise _missing(f"{path} has no {name}")
+
+
+def check_bf16_optimizer(optimizer) -> None:
+    """The built BF16_Optimizer has the buffers training/main_grads.py works on."""
+    for name in BF16_BUFFERS:
+        if not hasattr(optimizer, name):
+            raise _missing(f"{type(optimizer).__name__} has no attribute {name}")
+
+
+def relink_optimizer_state(optimizer) -> None:
+    """Point every parameter's fragment mapping at the optimizer's current state tensors (done
+    lazily after the first step; again after the state was replaced, e.g. by a load)."""
+    optimizer._hp_optimizer_states_linked = False
+    optimizer._lazy_init_hp_params_optimizer_state()
+
+
+def link_optimizer_state_once(optimizer) -> None:
+    """What DeepSpeed's BF16_Optimizer.step does after the first optimizer step."""
+    optimizer._lazy_init_hp_params_optimizer_state()
+
+
+def pipeline_module_with_boundaries(boundaries: list[int]):
+    """A PipelineModule subclass whose stages are `boundaries` (stage i owns pipeline layers
+    boundaries[i] .. boundaries[i+1]) instead of DeepSpeed's parameter or layer-count balance."""
+    from deepspeed.pipe import PipelineModule
+
+    class PipelineModuleWithBoundaries(PipelineModule):
+        def _partition_layers(self, method: str = "") -> None:
+            self.parts = list(boundaries)
+            stage = self._topo.get_coord(self.global_rank).pipe
+            self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+    return PipelineModuleWithBoundaries
+
+
+def wrap_pipeline_instructions(engine, wrap) -> None:
+    """Route every pipeline-schedule instruction through `wrap(kind, run)`. DeepSpeed's
+    pipeline engine looks its instructions up in `_INSTRUCTION_MAP` through the instance; an
+    instance-level copy wraps them."""
+    base = type(engine)._INSTRUCTION_MAP
+    engine._INSTRUCTION_MAP = {kind: wrap(kind, run) for kind, run in base.items()}
+
+
+def disable_engine_gradient_reduction(engine, pipeline: bool) -> None:
+    """The engine no longer all-reduces gradients after backward (main_grads.py does it once
+    per step, in place)."""
+    if pipeline:
+        engine.pipeline_enable_backward_allreduce = False
+    else:
+        engine.enable_backward_allreduce = False
