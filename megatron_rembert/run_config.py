@@ -80,11 +80,9 @@ class TrainConfig:
     micro_batch_size: int = 8
     global_batch_size: int = 2048  # = micro_batch_size x gradient accumulation x DP
     precision: str = "bf16"  # fp32 | bf16 | fp16; bf16 and fp16 need ZeRO stage 1 or 2
-    # The Transformer layers' linears (Q, K, V, attention out, FFN in and out) multiply in fp8
-    # (e4m3 weights and activations, e5m2 gradients, dynamic per-tensor scales; parallel/fp8.py);
-    # everything else, the weights and the checkpoints stay as train.precision has them. Needs
-    # a GPU of compute capability >= 8.9 (or the CPU) and hidden and FFN sizes / tp in
-    # multiples of 16. An execution setting: a checkpoint resumes with it on or off
+    # The Transformer layers' linears multiply in fp8 (parallel/fp8.py); weights, optimizer and
+    # checkpoints stay train.precision's. Needs compute capability >= 8.9 on CUDA and hidden
+    # and FFN sizes / tp in multiples of 16; a checkpoint resumes with it on or off
     fp8: bool = False
     seed: int = 1234
     log_interval: int = 10

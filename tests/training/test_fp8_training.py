@@ -5,6 +5,7 @@ start-up checks."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from pathlib import Path
@@ -15,7 +16,7 @@ import torch
 from megatron_rembert.config import ConfigError
 from megatron_rembert.run_config import load_config, validate_config
 from tests.distributed import run_distributed
-from tests.training.production import as_sets, data_overrides, run_train
+from tests.training.production import as_sets, data_overrides, merge_ranks, run_train
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -51,6 +52,19 @@ def test_dimensions_not_multiples_of_16_are_refused():
         validate_config(config, 2)
 
 
+def test_train_py_refuses_with_one_error_line(capsys):
+    spec = importlib.util.spec_from_file_location("_train_py", ROOT / "train.py")
+    train_py = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_py)
+    code = train_py.main(["--config", str(TINY), "--dry-run", "--world-size", "2",
+                          "--set", "train.fp8=true", "--set", "parallel.tp=2"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert [line for line in err.splitlines() if "error:" in line] == [
+        "error: train.fp8=true needs model.hidden_size / parallel.tp in multiples of 16 (fp8 "
+        "GEMMs), got 48 / 2; set train.fp8=false or change the size"]
+
+
 def test_gpus_without_fp8_tensor_cores_are_refused(monkeypatch):
     config = load_config(TINY, ["train.fp8=true"] + as_sets(FP8_MODEL))
     validate_config(config, 1)  # on the CPU: allowed (the tests run the real fp8 GEMMs)
@@ -71,13 +85,17 @@ def test_gpus_without_fp8_tensor_cores_are_refused(monkeypatch):
 # -- training --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def fp8_and_bf16_runs(tiny_dataset, tmp_path_factory):
-    """30 steps of bf16 and of fp8, at tp 1 (dp 2) and tp 2, in one group of 2 ranks."""
+    """30 steps of bf16 and of fp8, at tp 1 (dp 2) and tp 2, and of fp8 at pp 2 with
+    activation checkpointing, in one group of 2 ranks."""
     tmp = tmp_path_factory.mktemp("fp8")
     names = [(tp, fp8) for tp in (1, 2) for fp8 in (False, True)]
     runs = [(str(TINY), run_sets(tiny_dataset, tmp / f"tp{tp}-{fp8}", STEPS, fp8, tp), False)
             for tp, fp8 in names]
+    names.append("pp2-recompute")
+    runs.append((str(TINY), run_sets(tiny_dataset, tmp / "pp2", STEPS, True, **{
+        "parallel.pp": 2, "parallel.activation_checkpointing": "true"}), False))
     per_rank = run_distributed(run_train, 2, runs, timeout=1200)
-    return {name: per_rank[0][i] for i, name in enumerate(names)}
+    return {name: merge_ranks([rank[i] for rank in per_rank]) for i, name in enumerate(names)}
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -103,6 +121,14 @@ def test_fp8_tp2_trains_like_fp8_tp1(fp8_and_bf16_runs):
     for fp8 in (False, True):
         one, two = fp8_and_bf16_runs[(1, fp8)], fp8_and_bf16_runs[(2, fp8)]
         assert two.losses == pytest.approx(one.losses, rel=1e-2)
+
+
+def test_fp8_pipeline_with_recomputation_trains_like_one_stage(fp8_and_bf16_runs):
+    """pp 2 (the pipeline layers switched to fp8 by the engine) with activation checkpointing
+    (each layer's fp8 forward recomputed in backward, from the same cached weights)."""
+    pipeline, one = fp8_and_bf16_runs["pp2-recompute"], fp8_and_bf16_runs[(1, True)]
+    assert pipeline.losses == pytest.approx(one.losses, rel=1e-2)
+    assert pipeline.moved.keys() == one.moved.keys()
 
 
 # -- checkpoints -----------------------------------------------------------------------------
