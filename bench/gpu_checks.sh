@@ -49,6 +49,7 @@ if [[ -z ${cpu:-} ]]; then
     check pipeline-balance 120 python3 bench/pipeline_balance.py --pp 2,4,8
     check rembert-trainer 180 python3 bench/train_throughput.py --trainer --steps 5
     check kernels 180 python3 bench/kernels_gpu.py
+    check fp8 300 python3 bench/fp8_gpu.py
 fi
 check training 400 python3 bench/gpu_train_checks.py --steps "${GPU_CHECKS_STEPS:-20}" \
     --signal-at "${GPU_CHECKS_SIGNAL_AT:-10}"

@@ -80,6 +80,10 @@ class TrainConfig:
     micro_batch_size: int = 8
     global_batch_size: int = 2048  # = micro_batch_size x gradient accumulation x DP
     precision: str = "bf16"  # fp32 | bf16 | fp16; bf16 and fp16 need ZeRO stage 1 or 2
+    # The Transformer layers' linears multiply in fp8 (parallel/fp8.py); weights, optimizer and
+    # checkpoints stay train.precision's. Needs compute capability >= 8.9 on CUDA and hidden
+    # and FFN sizes / tp in multiples of 16; a checkpoint resumes with it on or off
+    fp8: bool = False
     seed: int = 1234
     log_interval: int = 10
     eval_interval: int = 1000  # 0 = never
@@ -430,6 +434,8 @@ def validate_config(config: Config, world_size: int, rank: int = 0) -> Layout:
         raise ConfigError(f"train.precision={train.precision} needs parallel.zero_stage=1 or 2 "
                           "(DeepSpeed keeps fp32 master weights, gradients and a correct loss "
                           "scale only in its ZeRO optimizers); zero_stage=0 is for fp32")
+    if train.fp8:
+        check_fp8(config)
     if optim.name not in ("adamw", "lamb"):
         raise ConfigError(f"optim.name={optim.name!r}: expected adamw or lamb")
     if optim.decay not in ("linear", "cosine", "1-sqrt", "constant"):
@@ -442,3 +448,24 @@ def validate_config(config: Config, world_size: int, rank: int = 0) -> Layout:
             f"data.seq_length={config.data.seq_length} exceeds "
             f"model.max_position_embeddings={config.model.max_position_embeddings}")
     return layout
+
+
+def check_fp8(config: Config) -> None:
+    """train.fp8: every Transformer linear's local GEMM in multiples of 16, and a GPU (if any)
+    with fp8 tensor cores (compute capability 8.9: Ada, Hopper and later)."""
+    from megatron_rembert.kernels.fp8 import GEMM_MULTIPLE
+
+    model, tp = config.model, config.parallel.tp
+    for key, size in (("model.hidden_size", model.hidden_size),
+                      ("model.intermediate_size", model.intermediate_size)):
+        if size % (GEMM_MULTIPLE * tp):
+            raise ConfigError(f"train.fp8=true needs {key} / parallel.tp in multiples of "
+                              f"{GEMM_MULTIPLE} (fp8 GEMMs), got {size} / {tp}; set "
+                              "train.fp8=false or change the size")
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
+        major, minor = torch.cuda.get_device_capability()
+        raise ConfigError(f"train.fp8=true needs a GPU of compute capability >= 8.9 (Ada, "
+                          f"Hopper or later); {torch.cuda.get_device_name()} has "
+                          f"{major}.{minor}: set train.fp8=false")

@@ -61,9 +61,16 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _split_param((out_features, in_features), 0)  # out/tp x in
         self.bias = _split_param((out_features,), 0) if bias else None  # out/tp
 
+    # train.fp8: the layer's GEMM in fp8 (parallel/fp8.py, set by enable_fp8); None: F.linear.
+    fp8_gemm = None
+
     def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
         """`add_bias=False` leaves the bias to the caller (a fused kernel adds it)."""
-        return F.linear(x, self.weight, self.bias if add_bias else None)
+        bias = self.bias if add_bias else None
+        if self.fp8_gemm is None:
+            return F.linear(x, self.weight, bias)
+        y = self.fp8_gemm(x, self.weight)  # ... x out/tp
+        return y if bias is None else y + bias
 
 
 class RowParallelLinear(nn.Module):
@@ -78,9 +85,13 @@ class RowParallelLinear(nn.Module):
         self.weight = _split_param((out_features, in_features), 1)  # out x in/tp
         self.bias = _split_param((out_features,), None) if bias else None  # out
 
+    fp8_gemm = None  # as ColumnParallelLinear's
+
     def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
         """`add_bias=False` leaves the bias to the caller (a fused kernel adds it)."""
-        y = reduce_from_tp(F.linear(x, self.weight))
+        partial = (F.linear(x, self.weight) if self.fp8_gemm is None
+                   else self.fp8_gemm(x, self.weight))  # ... x out, this rank's share
+        y = reduce_from_tp(partial)
         return y if self.bias is None or not add_bias else y + self.bias
 
 

@@ -33,7 +33,9 @@ from megatron_rembert.model.pipeline import (
     set_unpadded,
 )
 from megatron_rembert.model.rembert import RemBertForPreTraining
+from megatron_rembert.model.transformer import TransformerLayer
 from megatron_rembert.parallel import comm, state
+from megatron_rembert.parallel.fp8 import enable_fp8
 from megatron_rembert.parallel.layers import init_weights, is_tp_sharded
 from megatron_rembert.parallel.layout import Layout
 from megatron_rembert.parallel.random import checkpoint_safe
@@ -148,6 +150,8 @@ class Trainer:
             model = RemBertForPreTraining(config.model)
             model.init_weights(config.train.seed)
             model.rembert.activation_checkpointing = config.parallel.activation_checkpointing
+        if config.train.fp8:  # the Transformer layers' linears multiply in fp8
+            enable_fp8(m for m in model.modules() if isinstance(m, TransformerLayer))
         model.to(device)
         optimizer = build_optimizer(model, config)
         scheduler = build_scheduler(optimizer, config)
