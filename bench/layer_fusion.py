@@ -1,10 +1,12 @@
 """One Transformer layer, forward + backward: eager against model.compile, side by side.
 
     python bench/layer_fusion.py [--preset rembert] [--batch 16] [--seq 512] [--dtype bf16]
-                                 [--layers 4] [--iters 10] [--masked] [--dropout 0.0]
-                                 [--attention-backend sdpa|fused_softmax] [--cpu]
+                                 [--layers 4] [--iters 10] [--masked] [--dropout 0,0.1]
+                                 [--attention-backend sdpa,fused_softmax] [--cpu]
 
-Rows, each the median of 5 rounds of --iters steps (the rows take turns within a round) of a
+For every attention backend and dropout rate given (on a GPU by default sdpa and fused_softmax,
+each at dropout 0 and 0.1; on CPU sdpa at 0):
+rows, each the median of 5 rounds of --iters steps (the rows take turns within a round) of a
 stack of --layers layers, per layer:
   eager     TransformerLayer with model.compile=false
   compiled  the same layers with model.compile=true (one graph, shared by the layers)
@@ -14,12 +16,12 @@ stack of --layers layers, per layer:
             elementwise pass (bias, GELU, dropout, residual, LayerNorm, copies) fused away
 Printed: ms per layer, TFLOP/s (the layer's training FLOPs, model/sizes.py), compiled / eager
 speed-up, and the share of the eager and compiled layers' time outside the matmuls.
-Defaults: on a GPU the rembert layer as trained (bf16, micro-batch 16 x 512); on CPU
-(inductor's C++ backend) fp32, 2 x 128, 1 layer, 3 steps a round (a CPU figure says the
+Defaults: on a GPU the rembert layer as trained (bf16, micro-batch 16 x 512, 4 layers); on
+CPU (inductor's C++ backend) fp32, 2 x 128, 1 layer, 3 steps a round (a CPU figure says the
 compiled path runs and equals eager, not what a GPU gains). Both paths are first checked to
 agree (fp32: 1e-4 relative, bf16: 5e-2; with dropout they draw the same masks), and the
-compiled layers' graphs and graph breaks are counted; the exit status is 1 if they differ or
-a graph broke.
+compiled layers' graphs, graph breaks and compile time (the first step) are printed; the
+exit status is 1 if they differ or a graph broke.
 """
 
 from __future__ import annotations
@@ -116,27 +118,17 @@ def matmuls_step(config: ModelConfig, batch: int, seq: int, device, dtype, maske
     return step
 
 
-def run(args) -> dict[str, float]:
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
-    gpu = device.type == "cuda"
-    dtype_name = args.dtype or ("bf16" if gpu else "fp32")
-    dtype = DTYPES[dtype_name]
-    batch, seq = args.batch or (16 if gpu else 2), args.seq or (512 if gpu else 128)
-    layers, iters = args.layers or (4 if gpu else 1), args.iters or (10 if gpu else 3)
-    config = get_preset(args.preset).replace(hidden_dropout_prob=args.dropout,
-                                             attention_probs_dropout_prob=args.dropout,
-                                             attention_backend=args.attention_backend)
-    sync = torch.cuda.synchronize if gpu else (lambda: None)
+def measure(config: ModelConfig, shape: dict, device, dtype, sync) -> tuple[dict, bool]:
+    """One configuration: checks, then ms per layer of eager, compiled and the matmuls alone;
+    whether every check passed."""
+    batch, seq, layers, iters = shape["batch"], shape["seq"], shape["layers"], shape["iters"]
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(batch, seq, config.hidden_size, device=device, generator=g).to(dtype)
     grad = torch.randn(x.shape, device=device, generator=g).to(dtype)
-    key_mask = torch.ones(batch, seq, dtype=torch.bool, device=device) if args.masked else None
-    print(f"{device.type} {torch.cuda.get_device_name() if gpu else ''} torch {torch.__version__}"
-          f" | {args.preset} layer (H {config.hidden_size}, {config.num_attention_heads} heads, "
-          f"FFN {config.intermediate_size}), {dtype_name}, "
-          f"{batch} x {seq}, {layers} layer(s), dropout {args.dropout}, "
-          f"{'masked' if args.masked else 'flash'} path, {args.attention_backend}")
-
+    masked = shape["masked"]
+    key_mask = torch.ones(batch, seq, dtype=torch.bool, device=device) if masked else None
+    print(f"\n{config.attention_backend}, dropout {config.hidden_dropout_prob}, "
+          f"{'masked' if masked else 'flash'} path")
     steps = {name: layer_step(layer_stack(config.replace(compile=compiled), layers, device,
                                           dtype), x, key_mask, grad)
              for name, compiled in (("eager", False), ("compiled", True))}
@@ -144,17 +136,20 @@ def run(args) -> dict[str, float]:
     eager_out = steps["eager"]()
     tp_random.seed_all(1)
     counters.clear()
+    start = time.perf_counter()
     compiled_out = steps["compiled"]()
+    sync()
     breaks = dict(counters["graph_break"])
     print(f"compiled: {counters['stats']['unique_graphs']} graph(s) for {layers} layer(s), "
-          f"{sum(breaks.values())} graph break(s) {breaks or ''}")
+          f"{sum(breaks.values())} graph break(s) {breaks or ''}(first step, compiling: "
+          f"{time.perf_counter() - start:.1f} s)")
     error = ((compiled_out.float() - eager_out.float()).abs().max()
              / eager_out.float().abs().max()).item()
     limit = 1e-4 if dtype == torch.float32 else 5e-2
     print(f"compiled against eager: max relative difference {error:.2e} "
           f"({'ok' if error <= limit else 'FAIL'}, limit {limit:g})")
 
-    steps["matmuls"] = matmuls_step(config, batch, seq, device, dtype, args.masked)
+    steps["matmuls"] = matmuls_step(config, batch, seq, device, dtype, masked)
     seconds = seconds_per_step(steps, iters, sync)
     ms = {name: 1e3 * t / (1 if name == "matmuls" else layers) for name, t in seconds.items()}
     flops = layer_training_flops(config, seq) * batch * seq
@@ -163,9 +158,36 @@ def run(args) -> dict[str, float]:
         outside = f"{1 - ms['matmuls'] / value:>16.1%}" if name != "matmuls" else ""
         print(f"{name:<10}{value:>10.3f}{flops / value / 1e9:>10.3g} {outside}")
     print(f"compiled / eager speed-up: {ms['eager'] / ms['compiled']:.3f}x")
-    if error > limit or breaks:
+    return ms, error <= limit and not breaks
+
+
+def run(args) -> dict[tuple[str, float], dict]:
+    """Every (attention backend, dropout) of the arguments; exits 1 if a check failed."""
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
+    gpu = device.type == "cuda"
+    dtype_name = args.dtype or ("bf16" if gpu else "fp32")
+    shape = dict(batch=args.batch or (16 if gpu else 2), seq=args.seq or (512 if gpu else 128),
+                 layers=args.layers or (4 if gpu else 1), iters=args.iters or (10 if gpu else 3),
+                 masked=args.masked)
+    backends = (args.attention_backend or ("sdpa,fused_softmax" if gpu else "sdpa")).split(",")
+    dropouts = [float(p) for p in (args.dropout or ("0,0.1" if gpu else "0")).split(",")]
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    base = get_preset(args.preset)
+    print(f"{device.type} {torch.cuda.get_device_name() if gpu else ''} torch {torch.__version__}"
+          f" | {args.preset} layer (H {base.hidden_size}, {base.num_attention_heads} heads, "
+          f"FFN {base.intermediate_size}), {dtype_name}, {shape['batch']} x {shape['seq']}, "
+          f"{shape['layers']} layer(s)")
+    results, ok = {}, True
+    for backend in backends:
+        for p in dropouts:
+            config = base.replace(attention_backend=backend, hidden_dropout_prob=p,
+                                  attention_probs_dropout_prob=p)
+            results[backend, p], passed = measure(config, shape, device, DTYPES[dtype_name],
+                                                  sync)
+            ok &= passed
+    if not ok:
         raise SystemExit(1)
-    return ms
+    return results
 
 
 def main() -> None:
@@ -178,8 +200,10 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=0, help="steps a round (5 rounds); "
                    "default: 10 on a GPU, 3 on CPU")
     p.add_argument("--masked", action="store_true", help="attention with a key mask")
-    p.add_argument("--dropout", type=float, default=0.0, help="hidden and attention dropout")
-    p.add_argument("--attention-backend", default="sdpa", choices=("sdpa", "fused_softmax"))
+    p.add_argument("--dropout", help="hidden and attention dropout, comma-separated; "
+                   "default: 0,0.1 on a GPU, 0 on CPU")
+    p.add_argument("--attention-backend", help="sdpa and/or fused_softmax, comma-separated; "
+                   "default: both on a GPU, sdpa on CPU")
     p.add_argument("--cpu", action="store_true", help="on the CPU even where CUDA is present")
     run(p.parse_args())
 

@@ -17,10 +17,11 @@ def test_layer_fusion_bench_runs_on_cpu(capsys):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     args = argparse.Namespace(preset="tiny", batch=2, seq=16, dtype="fp32", layers=2, iters=1,
-                              masked=True, dropout=0.1, attention_backend="sdpa", cpu=True)
+                              masked=True, dropout="0.1", attention_backend="sdpa", cpu=True)
     torch._dynamo.reset()  # count this run's graphs, not a cache an earlier test filled
-    ms = bench.run(args)  # exits 1 if compiled and eager differ or a graph broke
+    results = bench.run(args)  # exits 1 if compiled and eager differ or a graph broke
     out = capsys.readouterr().out
     assert "compiled: 1 graph(s) for 2 layer(s), 0 graph break(s)" in out
     assert "(ok, limit 0.0001)" in out
+    ms = results["sdpa", 0.1]
     assert ms.keys() == {"eager", "compiled", "matmuls"} and all(t > 0 for t in ms.values())
