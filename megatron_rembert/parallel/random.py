@@ -42,9 +42,14 @@ def _set_state(device: torch.device, rng_state: torch.Tensor) -> None:
         torch.set_rng_state(rng_state)
 
 
-@torch.library.custom_op("megatron_rembert::swap_rng_state", mutates_args=(),
-                         tags=(torch.Tag.nondeterministic_seeded,))
-def swap_rng_state(rng_state: torch.Tensor, device: str) -> torch.Tensor:
+# Defined with torch.library.define rather than torch.library.custom_op, whose `tags` argument
+# needs torch >= 2.8.
+torch.library.define("megatron_rembert::swap_rng_state", "(Tensor rng_state, str device) -> Tensor",
+                     tags=(torch.Tag.nondeterministic_seeded,))
+
+
+@torch.library.impl("megatron_rembert::swap_rng_state", "CompositeExplicitAutograd")
+def _swap_rng_state(rng_state: torch.Tensor, device: str) -> torch.Tensor:
     """Make `rng_state` the state of `device`'s default generator; return the state it had
     (a uint8 CPU tensor, as torch.get_rng_state returns it)."""
     device = torch.device(device)
@@ -53,9 +58,12 @@ def swap_rng_state(rng_state: torch.Tensor, device: str) -> torch.Tensor:
     return previous
 
 
-@swap_rng_state.register_fake
+@torch.library.register_fake("megatron_rembert::swap_rng_state")
 def _(rng_state: torch.Tensor, device: str) -> torch.Tensor:
     return torch.empty_like(rng_state)  # a generator's state keeps its size
+
+
+swap_rng_state = torch.ops.megatron_rembert.swap_rng_state
 
 
 def seed_all(seed: int, device: torch.device | str = "cpu") -> None:
