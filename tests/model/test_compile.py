@@ -74,8 +74,8 @@ def test_compiled_layers_equal_eager(dtype, rel, unpadded):
 def test_compiled_dropout_draws_eager_masks(backend):
     """Hidden dropout (default stream) and attention dropout (this rank's TP stream) under
     compile draw eager's masks: losses and gradients agree, and both streams end where eager
-    leaves them. Without fallback_random (or with the stream switch out of order) the losses
-    differ by far more than 1e-5."""
+    leaves them. Compiled without fallback_random (inductor's own random numbers) the losses
+    differed by ~2e-4 relative, 20x the tolerance."""
     config = get_preset("tiny").replace(attention_backend=backend, **DROPOUT)
     runs = {}
     for compiled in (False, True):
