@@ -8,7 +8,9 @@
 #      trainer's step (DeepSpeed, bf16, zero1_bf16.json) with its peak memory against
 #      train.py --dry-run's estimate (bench/train_throughput.py --trainer);
 #   2. kernels: the Triton kernels against the torch references on CUDA in fp32 and bf16, then
-#      their speed (bench/kernels_gpu.py);
+#      their speed (bench/kernels_gpu.py); a rembert Transformer layer eager vs model.compile
+#      vs its GEMMs and attention alone, both attention backends, dropout 0 and 0.1
+#      (bench/layer_fusion.py);
 #   3. training: train.py on one GPU with NCCL, bf16 + ds_configs/zero1_bf16.json, 4
 #      micro-batches a step, 20 steps; SIGTERM after step 10 and resume == uninterrupted; tp = 2
 #      and pp = 2 on two processes against one process: NCCL on two GPUs; on one GPU tp = 2 on
@@ -19,7 +21,7 @@
 # machine with internet with `bash bench/gpu_wheels.sh .whl`, bring the folder along, and set
 # GPU_WHEELS=.whl; they are installed into a temporary folder, nothing else is touched.
 # Every check runs even if an earlier one fails; the exit code says whether all passed.
-# Usage: [GPU_WHEELS=.whl] bash bench/gpu_checks.sh        (about 6 minutes on one H200)
+# Usage: [GPU_WHEELS=.whl] bash bench/gpu_checks.sh        (about 9 minutes on one H200)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -50,6 +52,7 @@ if [[ -z ${cpu:-} ]]; then
     check rembert-trainer 180 python3 bench/train_throughput.py --trainer --steps 5
     check kernels 180 python3 bench/kernels_gpu.py
     check fp8 300 python3 bench/fp8_gpu.py
+    check layer-fusion 360 python3 bench/layer_fusion.py
 fi
 check training 400 python3 bench/gpu_train_checks.py --steps "${GPU_CHECKS_STEPS:-20}" \
     --signal-at "${GPU_CHECKS_SIGNAL_AT:-10}"

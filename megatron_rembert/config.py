@@ -78,9 +78,9 @@ class ModelConfig:
     # MLM loss: "fused" (chunked linear + cross-entropy, never holds all logits) or
     # "reference" (logits for all masked tokens, then a vocab-parallel cross-entropy).
     loss_backend: str = "fused"
-    # torch.compile each Transformer layer (its forward and backward graphs; the embeddings and
-    # the head stay eager). Needs both dropouts at 0: compiled dropout draws differ from eager's.
-    compile: bool = False
+    # torch.compile each Transformer layer (one graph for all layers; the embeddings and the
+    # head stay eager): true, false, or auto (compiled on CUDA, eager on CPU).
+    compile: bool | str = "auto"
 
     @property
     def head_dim(self) -> int:
@@ -125,15 +125,18 @@ class ModelConfig:
             raise ConfigError(
                 f"model.attention_backend={self.attention_backend!r}: expected 'sdpa' or "
                 "'fused_softmax'")
-        if self.compile and (self.hidden_dropout_prob or self.attention_probs_dropout_prob):
+        if not (isinstance(self.compile, bool) or self.compile == "auto"):
             raise ConfigError(
-                "model.compile=true needs model.hidden_dropout_prob and "
-                "model.attention_probs_dropout_prob at 0: compiled dropout draws its masks "
-                "from another generator than eager, so runs would depend on compile and the "
-                "layout; set both to 0 or model.compile=false")
+                f"model.compile={self.compile!r}: expected true, false or auto (compiled on "
+                "CUDA, eager on CPU)")
         if self.loss_backend not in ("fused", "reference"):
             raise ConfigError(
                 f"model.loss_backend={self.loss_backend!r}: expected 'fused' or 'reference'")
+
+    def compiles_on(self, device_type: str) -> bool:
+        """Whether the Transformer layers run through torch.compile on a device of this type
+        ("cuda", "cpu"): model.compile, with auto resolved."""
+        return self.compile is True or (self.compile == "auto" and device_type == "cuda")
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)

@@ -252,6 +252,14 @@ def _coerce(value, annotation, key: str):
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping, e.g. {{sw: 0.5}}, got {value!r}")
         return {str(k): _coerce(v, annotation[10:-1], f"{key}.{k}") for k, v in value.items()}
+    if " | " in annotation:  # e.g. "bool | str" (model.compile: true, false or auto)
+        for alternative in annotation.split(" | "):
+            try:
+                return _coerce(value, alternative, key)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{key}: expected {' or '.join(annotation.split(' | '))}, "
+                          f"got {value!r}")
     kind = {"int": int, "float": float, "str": str, "bool": bool}[annotation]
     if kind is float and isinstance(value, (int, str)) and not isinstance(value, bool):
         try:  # YAML reads "1e-3" (no dot) as a string

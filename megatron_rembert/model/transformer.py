@@ -19,7 +19,7 @@ from megatron_rembert.kernels.softmax import fused_scale_mask_softmax
 from megatron_rembert.parallel import state
 from megatron_rembert.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron_rembert.parallel.mappings import copy_to_tp
-from megatron_rembert.parallel.random import tp_rng
+from megatron_rembert.parallel.random import ensure_tp_stream, tp_rng
 
 
 class SelfAttention(nn.Module):
@@ -87,15 +87,24 @@ class TransformerLayer(nn.Module):
         self.ffn = FeedForward(config)
         self.ffn_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
-        # model.compile: the layer's computation through torch.compile (a graph for each mask
-        # kind); parameters, names and checkpoints are the eager layer's.
-        self._compiled = torch.compile(self._layer) if config.compile else None
+        # model.compile: the layer's computation through torch.compile. One graph per attention
+        # path, shared by every layer (dynamo takes the parameters as inputs, and the TP
+        # all-reduces and the RNG stream switch are opaque operators inside it); parameters,
+        # names and checkpoints are the eager layer's. fallback_random: inductor draws dropout
+        # masks with torch's generator and ops, in program order, so they equal eager's.
+        self._compiled = None
+        if config.compile is not False:
+            self._compiled = torch.compile(self._layer, options={"fallback_random": True})
+        self._compiles_on = config.compiles_on
 
     def _layer(self, x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
         x = self.attention_norm(x + self.dropout(self.attention(x, key_mask)))
         return self.ffn_norm(x + self.dropout(self.ffn(x)))
 
     def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
-        if self._compiled is not None:
-            return self._compiled(x, key_mask)
-        return self._layer(x, key_mask)
+        """x: B x S x H; key_mask: B x S bool or None (see SelfAttention) -> B x S x H."""
+        if self._compiled is None or not self._compiles_on(x.device.type):
+            return self._layer(x, key_mask)
+        if self.training and self.attention.dropout_p > 0:
+            ensure_tp_stream(x.device)  # the graph switches to the TP stream, cannot seed it
+        return self._compiled(x, key_mask)

@@ -7,7 +7,11 @@
 
 Every all-reduce goes through `all_reduce_` (and from there through `parallel.comm`), which
 counts calls in `ALL_REDUCE_COUNTS` so tests can check the communication plan (exactly one
-forward all-reduce per attention and FFN block).
+forward all-reduce per attention and FFN block). The sum over the TP group (every all-reduce of
+a Transformer layer) is the custom operator `megatron_rembert::tp_all_reduce_`: torch.compile
+keeps it as one opaque call inside the layer's graph (dynamo refuses the counter's update inside
+an autograd Function, and an opaque call needs nothing traceable from the backend, gloo
+included), so a compiled layer stays one graph under tensor parallelism.
 """
 
 from __future__ import annotations
@@ -22,10 +26,20 @@ from megatron_rembert.parallel import comm, state
 ALL_REDUCE_COUNTS: Counter = Counter()
 
 
+@torch.library.custom_op("megatron_rembert::tp_all_reduce_", mutates_args=("tensor",))
+def _tp_all_reduce_(tensor: torch.Tensor, tag: str) -> None:
+    """In-place sum over the TP group."""
+    ALL_REDUCE_COUNTS[tag] += 1
+    comm.all_reduce(tensor, group=state.tp_group())
+
+
 def all_reduce_(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, tag: str = "") -> None:
     """In-place all-reduce over `group` (default: the TP group); a no-op for tp = 1."""
     if group is None:
         if state.tp_size() == 1:
+            return
+        if op == dist.ReduceOp.SUM:
+            _tp_all_reduce_(tensor, tag)
             return
         group = state.tp_group()
     ALL_REDUCE_COUNTS[tag] += 1
