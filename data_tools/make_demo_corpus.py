@@ -9,7 +9,7 @@ import argparse
 import _path  # noqa: F401
 
 from megatron_rembert.data.demo_corpus import LANGUAGES, make_demo_corpus
-from megatron_rembert.paths import unwritable_reason
+from megatron_rembert.fs import unwritable_reason
 
 
 def main() -> None:

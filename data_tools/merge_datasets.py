@@ -17,9 +17,9 @@ from pathlib import Path
 
 import _path  # noqa: F401
 
-from megatron_rembert.data.common import DataError, atomic_write_json
+from megatron_rembert.data.common import DataError
 from megatron_rembert.data.shards import MANIFEST, read_manifest
-from megatron_rembert.paths import is_inside, unwritable_reason, write_failure
+from megatron_rembert.fs import atomic_write_json, is_inside, unwritable_reason, write_failure
 
 # Manifest keys that must agree between parts: they describe how every shard was made.
 SAME = ("schema_version", "tokenizer", "seq_length", "special_ids", "word_starts",

@@ -1,5 +1,5 @@
-"""Small helpers shared by the data tools: errors, special ids, atomic writes, checksums,
-a bounded ordered map over a process pool and a console progress bar."""
+"""Small helpers shared by the data tools: errors, special ids, a bounded ordered map over a
+process pool and a console progress bar."""
 
 from __future__ import annotations
 
@@ -10,13 +10,6 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
-
-# Atomic writes and file hashes live with the checkpoints, which use them too.
-from megatron_rembert.checkpoint.atomic import (  # noqa: F401 - used by the data tools
-    atomic_write,
-    atomic_write_json,
-    sha256_file,
-)
 
 
 class DataError(RuntimeError):

@@ -7,11 +7,12 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_rembert.data.common import DataError, format_table, sha256_file
+from megatron_rembert.data.common import DataError, format_table
 from megatron_rembert.data.config import DataConfig
 from megatron_rembert.data.sampler import MultilingualSampler, language_weights
 from megatron_rembert.data.schedule import Schedule
 from megatron_rembert.data.shards import MANIFEST, ShardDataset, open_shard, read_manifest
+from megatron_rembert.fs import sha256_file
 
 
 def summary_table(manifest: dict, alpha: float = 0.5) -> str:

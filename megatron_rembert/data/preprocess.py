@@ -47,15 +47,13 @@ from megatron_rembert.data.common import (
     ProgressBar,
     Ready,
     SpecialIds,
-    atomic_write,
-    atomic_write_json,
     ordered_map,
-    sha256_file,
     usable_cpus,
 )
 from megatron_rembert.data.packing import Packer
 from megatron_rembert.data.shards import MANIFEST, SCHEMA_VERSION, WORD_STARTS, write_shard
 from megatron_rembert.data.tokenizer import check_special_ids, load_sentencepiece, word_start_table
+from megatron_rembert.fs import atomic_write, atomic_write_json, sha256_file
 
 _COUNTED = ("blank_lines", "bad_utf8_lines", "long_lines", "bad_json_lines")
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rembert.checkpoint import atomic
-from megatron_rembert.data import common, shards
+from megatron_rembert import fs
 from megatron_rembert.data import preprocess as preprocess_mod
+from megatron_rembert.data import shards
 from megatron_rembert.data.common import DataError
 from megatron_rembert.data.preprocess import preprocess
 from tests.data.conftest import small_config
@@ -80,7 +80,7 @@ def test_kill_between_any_two_writes_gives_identical_shards(corpus, tokenizer, t
         return small_config(corpus, out, tokenizer, languages=langs, workers=0)
 
     reference = preprocess(cfg(tmp_path / "ref"))
-    real_write = common.atomic_write
+    real_write = fs.atomic_write
     writes: list[str] = []
     kill_at = [0]  # 1-based index of the write that is interrupted; 0: none
 
@@ -95,7 +95,7 @@ def test_kill_between_any_two_writes_gives_identical_shards(corpus, tokenizer, t
         if len(writes) == kill_at[0]:
             raise _Killed
 
-    for module in (atomic, common, shards, preprocess_mod):  # atomic: atomic_write_json's
+    for module in (fs, shards, preprocess_mod):  # fs: atomic_write_json's
         monkeypatch.setattr(module, "atomic_write", write)
     preprocess(cfg(tmp_path / "count"))
     names = list(writes)
@@ -164,7 +164,7 @@ def test_full_disk_is_one_line_and_a_rerun_resumes(corpus, tokenizer, tmp_path, 
 
     run(tmp_path / "ref")
     reference = json.loads((tmp_path / "ref" / "manifest.json").read_text())
-    real_write, writes = common.atomic_write, []
+    real_write, writes = fs.atomic_write, []
 
     def write(path, fn, binary=True):
         writes.append(path)
@@ -172,7 +172,7 @@ def test_full_disk_is_one_line_and_a_rerun_resumes(corpus, tokenizer, tmp_path, 
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         real_write(path, fn, binary)
 
-    for module in (common, shards, preprocess_mod):
+    for module in (fs, shards, preprocess_mod):
         monkeypatch.setattr(module, "atomic_write", write)
     capsys.readouterr()
     with pytest.raises(SystemExit) as done:
@@ -181,7 +181,7 @@ def test_full_disk_is_one_line_and_a_rerun_resumes(corpus, tokenizer, tmp_path, 
     assert done.value.code == 1
     assert err.count("error:") == 1 and "Traceback" not in err, err
     assert f"{writes[3]}: No space left on device" in err, err
-    for module in (common, shards, preprocess_mod):
+    for module in (fs, shards, preprocess_mod):
         monkeypatch.setattr(module, "atomic_write", real_write)
     run(tmp_path / "out")
     assert json.loads((tmp_path / "out" / "manifest.json").read_text()) == reference
