@@ -17,7 +17,7 @@ import _path  # noqa: F401
 
 from megatron_rembert.config import ConfigError
 from megatron_rembert.data.common import DataError
-from megatron_rembert.data.inspection import (
+from megatron_rembert.prep.inspection import (
     config_sampling_table,
     decode_samples,
     summarize,

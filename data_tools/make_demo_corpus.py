@@ -8,8 +8,8 @@ import argparse
 
 import _path  # noqa: F401
 
-from megatron_rembert.data.demo_corpus import LANGUAGES, make_demo_corpus
 from megatron_rembert.fs import unwritable_reason
+from megatron_rembert.prep.demo_corpus import LANGUAGES, make_demo_corpus
 
 
 def main() -> None:

@@ -15,10 +15,10 @@ import _path  # noqa: F401
 
 from megatron_rembert.config import ConfigError
 from megatron_rembert.data.common import DataError
-from megatron_rembert.data.corpus import DEFAULT_MAX_LINE_BYTES, SKIPPED_VS_ERRORS
-from megatron_rembert.data.inspection import config_sampling_table, summary_table
-from megatron_rembert.data.preprocess import PreprocessConfig, preprocess
 from megatron_rembert.fs import is_inside, unwritable_reason, write_failure
+from megatron_rembert.prep.corpus import DEFAULT_MAX_LINE_BYTES, SKIPPED_VS_ERRORS
+from megatron_rembert.prep.inspection import config_sampling_table, summary_table
+from megatron_rembert.prep.preprocess import PreprocessConfig, preprocess
 
 
 def main() -> None:

@@ -19,9 +19,9 @@ import sys
 import _path  # noqa: F401
 
 from megatron_rembert.data.common import DataError
-from megatron_rembert.data.corpus import DEFAULT_MAX_LINE_BYTES, SKIPPED_VS_ERRORS
-from megatron_rembert.data.tokenizer import train_tokenizer
 from megatron_rembert.fs import unwritable_reason, write_failure
+from megatron_rembert.prep.corpus import DEFAULT_MAX_LINE_BYTES, SKIPPED_VS_ERRORS
+from megatron_rembert.prep.tokenizer import train_tokenizer
 
 
 def main() -> None:

@@ -119,8 +119,8 @@ def test_tokenizer_files_match_sentencepiece(tmp_path):
     import sentencepiece as spm
 
     from megatron_rembert.convert.tokenizer_files import write_tokenizer
-    from megatron_rembert.data.demo_corpus import make_demo_corpus
-    from megatron_rembert.data.tokenizer import train_tokenizer
+    from megatron_rembert.prep.demo_corpus import make_demo_corpus
+    from megatron_rembert.prep.tokenizer import train_tokenizer
 
     make_demo_corpus(tmp_path / "corpus", size_mb=0.1)
     train_tokenizer(tmp_path / "corpus", tmp_path / "spm", vocab_size=1000, num_threads=1)

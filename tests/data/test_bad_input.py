@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 
 from megatron_rembert.data.common import DataError
-from megatron_rembert.data.corpus import (
+from megatron_rembert.prep.corpus import (
     SkipStats,
     discover_corpus,
     iter_documents,
     iter_line_blocks,
 )
-from megatron_rembert.data.preprocess import preprocess
-from megatron_rembert.data.tokenizer import train_tokenizer
+from megatron_rembert.prep.preprocess import preprocess
+from megatron_rembert.prep.tokenizer import train_tokenizer
 from tests.data.conftest import small_config
 
 ROOT = Path(__file__).resolve().parents[2]

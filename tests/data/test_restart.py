@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from megatron_rembert import fs
-from megatron_rembert.data import preprocess as preprocess_mod
 from megatron_rembert.data import shards
 from megatron_rembert.data.common import DataError
-from megatron_rembert.data.preprocess import preprocess
+from megatron_rembert.prep import preprocess as preprocess_mod
+from megatron_rembert.prep.preprocess import preprocess
 from tests.data.conftest import small_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,7 +28,7 @@ def _shards(manifest: dict) -> list[tuple]:
 
 
 def _child(corpus, out, tokenizer) -> subprocess.Popen:
-    code = ("import sys; from megatron_rembert.data.preprocess import preprocess;"
+    code = ("import sys; from megatron_rembert.prep.preprocess import preprocess;"
             "from tests.data.conftest import small_config;"
             "preprocess(small_config(sys.argv[1], sys.argv[2], sys.argv[3]))")
     return subprocess.Popen([sys.executable, "-c", code, str(corpus), str(out), str(tokenizer)],

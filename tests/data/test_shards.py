@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from megatron_rembert.data.common import DataError
-from megatron_rembert.data.inspection import verify
 from megatron_rembert.data.shards import ShardDataset, write_shard
 from megatron_rembert.fs import sha256_file
+from megatron_rembert.prep.inspection import verify
 from tests.data.conftest import set_token, shard_entries
 
 ROOT = Path(__file__).resolve().parents[2]
