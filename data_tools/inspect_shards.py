@@ -15,8 +15,7 @@ import sys
 
 import _path  # noqa: F401
 
-from megatron_rembert.config import ConfigError
-from megatron_rembert.data.common import DataError
+from megatron_rembert.cli import run_cli
 from megatron_rembert.prep.inspection import (
     config_sampling_table,
     decode_samples,
@@ -25,7 +24,11 @@ from megatron_rembert.prep.inspection import (
 )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(_main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("data_dir")
@@ -37,27 +40,24 @@ def main() -> None:
     p.add_argument("--tokenizer", help="SentencePiece .model the dataset was made with")
     p.add_argument("--config", help="a training config: also print each language's sampling "
                    "probability in every phase of its schedule")
-    a = p.parse_args()
-    try:
-        print(summarize(a.data_dir))
-        if a.config:
-            print(config_sampling_table(a.data_dir, a.config))
-        if a.verify:
-            problems = verify(a.data_dir, a.tokenizer)
-            for msg in problems:
-                print(f"PROBLEM: {msg}")
-            print(f"verify: {len(problems)} problem(s)")
-            if problems:
-                sys.exit(1)
-        if a.decode:
-            if not a.tokenizer:
-                p.error("--decode needs --tokenizer PATH.model")
-            for lang, text in decode_samples(a.data_dir, a.tokenizer, a.decode, a.split):
-                print(f"--- [{lang}] {text}")
-    except (DataError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    a = p.parse_args(argv)
+    print(summarize(a.data_dir))
+    if a.config:
+        print(config_sampling_table(a.data_dir, a.config))
+    if a.verify:
+        problems = verify(a.data_dir, a.tokenizer)
+        for msg in problems:
+            print(f"PROBLEM: {msg}")
+        print(f"verify: {len(problems)} problem(s)")
+        if problems:
+            return 1
+    if a.decode:
+        if not a.tokenizer:
+            p.error("--decode needs --tokenizer PATH.model")
+        for lang, text in decode_samples(a.data_dir, a.tokenizer, a.decode, a.split):
+            print(f"--- [{lang}] {text}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

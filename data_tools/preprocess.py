@@ -13,15 +13,20 @@ import sys
 
 import _path  # noqa: F401
 
-from megatron_rembert.config import ConfigError
-from megatron_rembert.data.common import DataError
-from megatron_rembert.fs import is_inside, unwritable_reason, write_failure
+from megatron_rembert.cli import run_cli
+from megatron_rembert.fs import is_inside, unwritable_reason
 from megatron_rembert.prep.corpus import DEFAULT_MAX_LINE_BYTES, SKIPPED_VS_ERRORS
 from megatron_rembert.prep.inspection import config_sampling_table, summary_table
 from megatron_rembert.prep.preprocess import PreprocessConfig, preprocess
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    # Bad input exits 2 (docs/data.md); a file system failing while writing exits 1: nothing
+    # committed is damaged, and the same command resumes.
+    return run_cli(_main, argv, on_os_error="free space and rerun the same command: it resumes")
+
+
+def _main(argv: list[str] | None) -> int:
     d = PreprocessConfig("", "", "")
     p = argparse.ArgumentParser(description=__doc__, epilog="Bad input:\n" + SKIPPED_VS_ERRORS,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -45,7 +50,7 @@ def main() -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="replace a dataset in --out made with other settings")
     p.add_argument("--no-progress", action="store_true")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     # Output checks first: nothing is read or written before they pass.
     if is_inside(a.out, a.corpus):
         p.error(f"--out {a.out} is inside --corpus {a.corpus}: the shards would become part "
@@ -55,26 +60,15 @@ def main() -> None:
     cfg = PreprocessConfig(a.corpus, a.out, a.tokenizer, a.seq_length, a.workers,
                            a.shard_size_mb, a.valid_fraction, a.languages, a.max_line_bytes,
                            overwrite=a.overwrite, progress=not a.no_progress)
-    try:
-        manifest = preprocess(cfg)
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)  # bad input (docs/data.md)
-    except OSError as e:  # the file system failed while writing: nothing committed is damaged
-        print(f"error: {write_failure(e)}; free space and rerun the same command: it resumes",
-              file=sys.stderr)
-        sys.exit(1)
+    manifest = preprocess(cfg)
     print(summary_table(manifest, a.alpha))
     if a.config:
-        try:
-            print(config_sampling_table(a.out, a.config))
-        except (DataError, ConfigError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            sys.exit(2)
+        print(config_sampling_table(a.out, a.config))
     skipped = {k: v for k, v in manifest["skipped"].items() if v}
     print(f"skipped input: {skipped or 'nothing'}")
     print(f"wrote {len(manifest['shards'])} shards and {a.out}/manifest.json")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

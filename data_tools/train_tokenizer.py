@@ -18,13 +18,19 @@ import sys
 
 import _path  # noqa: F401
 
-from megatron_rembert.data.common import DataError
-from megatron_rembert.fs import unwritable_reason, write_failure
+from megatron_rembert.cli import run_cli
+from megatron_rembert.fs import unwritable_reason
 from megatron_rembert.prep.corpus import DEFAULT_MAX_LINE_BYTES, SKIPPED_VS_ERRORS
 from megatron_rembert.prep.tokenizer import train_tokenizer
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    # Bad input exits 2 (docs/data.md); a file system failing while writing exits 1: nothing
+    # committed is damaged.
+    return run_cli(_main, argv, on_os_error="free space and rerun the same command")
+
+
+def _main(argv: list[str] | None) -> int:
     p = argparse.ArgumentParser(description=__doc__, epilog="Bad input:\n" + SKIPPED_VS_ERRORS,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--corpus", required=True, help="corpus folder: DIR/<lang>/*.txt|jsonl[.gz]")
@@ -43,33 +49,27 @@ def main() -> None:
     p.add_argument("--verbose", action="store_true", help="show SentencePiece's log")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a tokenizer at --out trained from another corpus or settings")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     # Output checks first: a failure after hours of training would lose the tokenizer.
     if os.path.isdir(a.out):
         p.error(f"--out {a.out} is a folder; --out is a prefix, e.g. {a.out}/spm")
     if reason := unwritable_reason(os.path.dirname(a.out) or "."):
         p.error(f"--out {a.out}: {reason}")
-    try:
-        info = train_tokenizer(a.corpus, a.out, a.vocab_size, a.alpha, a.character_coverage,
-                               a.threads, a.max_sentences, a.seed, a.languages, a.max_line_bytes,
-                               not a.no_hard_vocab_limit, a.verbose,
-                               existing="overwrite" if a.overwrite else "reuse",
-                               progress=lambda line: print(line, flush=True))
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)  # bad input (docs/data.md)
-    except OSError as e:  # the file system failed while writing: nothing committed is damaged
-        print(f"error: {write_failure(e)}; free space and rerun the same command", file=sys.stderr)
-        sys.exit(1)
+    info = train_tokenizer(a.corpus, a.out, a.vocab_size, a.alpha, a.character_coverage,
+                           a.threads, a.max_sentences, a.seed, a.languages, a.max_line_bytes,
+                           not a.no_hard_vocab_limit, a.verbose,
+                           existing="overwrite" if a.overwrite else "reuse",
+                           progress=lambda line: print(line, flush=True))
     if info.get("reused"):
         print(f"already done: {a.out}.model was trained from the same sample and settings "
               f"(sha256 {info['sha256']})")
-        return
+        return 0
     print(f"wrote {a.out}.model ({info['vocab_size']:,} pieces, sha256 {info['sha256']})")
     for lang, v in info["languages"].items():
         print(f"{lang:10s} chunks {v['chunks']:>10,}  sampled {v['sampled']:>10,}  "
               f"p {v['prob']:.3f}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -17,11 +17,14 @@ import json
 import sys
 from pathlib import Path
 
+from megatron_rembert.cli import run_cli
+from megatron_rembert.errors import UserError
+
 PANELS = (("train", "loss", "training loss"), ("train", "mlm_acc", "training MLM accuracy"),
           ("valid", "loss", "validation loss"), ("valid", "mlm_acc", "validation MLM accuracy"))
 
 
-class PlotError(ValueError):
+class PlotError(UserError):
     """Bad input to the plot command; the message names the file."""
 
 
@@ -87,6 +90,10 @@ def plot_runs(log_dirs: list[str | Path], labels: list[str] | None = None):
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run_cli(_main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron_rembert.plot", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("log_dirs", nargs="+", help="train.log_dir of each run")
@@ -99,17 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        print("error: plotting needs matplotlib: pip install -e '.[plot]'", file=sys.stderr)
-        return 2
+        raise PlotError("plotting needs matplotlib: pip install -e '.[plot]'") from None
+    fig = plot_runs(args.log_dirs, args.labels)
     try:
-        fig = plot_runs(args.log_dirs, args.labels)
         fig.savefig(args.out, dpi=120)
-    except PlotError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
     except (OSError, ValueError) as err:  # unwritable --out, an unknown image suffix
-        print(f"error: --out {args.out}: {err}", file=sys.stderr)
-        return 2
+        raise PlotError(f"--out {args.out}: {err}") from err
     print(f"wrote {args.out}")
     return 0
 

@@ -13,6 +13,8 @@ Every error raised here is a `CheckpointError` whose message names the file or f
 This package imports nothing from `training/` or `convert/` (tests/checkpoint/test_imports.py).
 """
 
+from megatron_rembert.errors import UserError
 
-class CheckpointError(RuntimeError):
+
+class CheckpointError(UserError):
     """A checkpoint that cannot be written or trusted; the message names the file and the fix."""

@@ -9,8 +9,10 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from megatron_rembert.errors import UserError
 
-class DataError(RuntimeError):
+
+class DataError(UserError):
     """Bad input or a dataset that does not match what it should be. The message names the
     file (or flag) and says how to fix it."""
 
