@@ -3,6 +3,7 @@ codes, and plain-text tables for the console."""
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +29,14 @@ def run_cli(main: Callable[[list[str] | None], int | None], argv: list[str] | No
         hint = f"; {on_os_error}" if on_os_error else ""
         print(f"error: {write_failure(err)}{hint}", file=sys.stderr)
         return 1
+
+
+def prog(module_form: str) -> str:
+    """The program name for usage lines: the console script's (`rembert-convert`) when run as
+    one, else `module_form` (`python -m megatron_rembert.convert`, whose argv[0] is a path to
+    __main__.py)."""
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return name if name.startswith("rembert-") else module_form
 
 
 def format_table(header: list[str], rows: list[list[Any]]) -> str:

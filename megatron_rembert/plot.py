@@ -1,6 +1,7 @@
 """Training and per-language validation curves of one or more runs, in one figure.
 
-    python -m megatron_rembert.plot LOG_DIR [LOG_DIR ...] --out runs.png [--labels A B ...]
+    rembert-plot LOG_DIR [LOG_DIR ...] --out runs.png [--labels A B ...]
+    (or python -m megatron_rembert.plot ...)
 
 Reads each folder's metrics.jsonl (train.py writes it into train.log_dir) and draws four
 panels against the step: training loss, training MLM accuracy, validation loss and validation
@@ -17,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from megatron_rembert.cli import run_cli
+from megatron_rembert.cli import prog, run_cli
 from megatron_rembert.errors import UserError
 
 PANELS = (("train", "loss", "training loss"), ("train", "mlm_acc", "training MLM accuracy"),
@@ -94,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_rembert.plot", description=__doc__,
+    parser = argparse.ArgumentParser(prog=prog("python -m megatron_rembert.plot"),
+                                     description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("log_dirs", nargs="+", help="train.log_dir of each run")
     parser.add_argument("--out", required=True, help="image file (.png, .pdf or .svg)")

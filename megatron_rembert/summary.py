@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_rembert.cli import run_cli
+from megatron_rembert.cli import prog, run_cli
 from megatron_rembert.config import PRESETS, get_preset
 from megatron_rembert.model.sizes import flops_per_token, parameter_counts
 
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m megatron_rembert.summary",
+        prog=prog("python -m megatron_rembert.summary"),
         description="Exact parameter counts, embedding shares and FLOPs per token of a preset.")
     parser.add_argument("--preset", default="rembert", choices=sorted(PRESETS) + ["all"],
                         help="model preset (default: rembert); 'all' prints every preset")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_rembert.cli import run_cli
+from megatron_rembert.cli import prog, run_cli
 
 DESCRIPTION = ("Convert checkpoints to and from transformers RemBERT folders, and between "
                "TP x PP layouts. Every command writes into a temporary folder next to --out "
@@ -20,7 +20,7 @@ CHECKPOINT_HELP = ("a step_XXXXXXXX folder, or a save folder (train.save_dir, or
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m megatron_rembert.convert",
+    parser = argparse.ArgumentParser(prog=prog("python -m megatron_rembert.convert"),
                                      description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
 

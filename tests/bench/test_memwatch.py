@@ -5,9 +5,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from tests.bench import bench_script
 
-import memwatch  # noqa: E402
+memwatch = bench_script("memwatch")
 
 
 def test_an_exited_process_has_no_children(monkeypatch):

@@ -7,11 +7,10 @@ from pathlib import Path
 
 from megatron_rembert.run_config import load_config, validate_config
 from megatron_rembert.training.estimate import parameter_balanced_boundaries, stage_plan
+from tests.bench import bench_script
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
-
-import pipeline_balance  # noqa: E402
+pipeline_balance = bench_script("pipeline_balance")
 
 
 def test_stage_times_sum_their_layers():

@@ -143,20 +143,15 @@ def test_other_settings_need_overwrite(corpus, tokenizer, tmp_path):
 
 def test_full_disk_is_one_line_and_a_rerun_resumes(corpus, tokenizer, tmp_path, monkeypatch,
                                                    capsys):
-    """A full disk in the middle of preprocessing: data_tools/preprocess.py prints one `error:`
+    """A full disk in the middle of preprocessing: the preprocess command prints one `error:`
     line naming the file (exit 1, no traceback); the same command rerun finishes with exactly
     the dataset of an uninterrupted run."""
     import errno
-    import importlib.util
 
-    sys.path.insert(0, str(ROOT / "data_tools"))  # the tool's own `import _path`
-    spec = importlib.util.spec_from_file_location("_preprocess_tool",
-                                                  ROOT / "data_tools" / "preprocess.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    from megatron_rembert.prep.commands import preprocess as tool
 
     def run(out) -> int:
-        return tool.main(["--corpus", str(corpus), "--tokenizer", str(tokenizer),
+        return tool(["--corpus", str(corpus), "--tokenizer", str(tokenizer),
                           "--out", str(out), "--seq-length", "64", "--workers", "0",
                           "--shard-size-mb", "0.02", "--languages", "cyrl", "grek",
                           "--no-progress"])
