@@ -143,6 +143,7 @@ def test_bad_input_is_one_error_line(case, files, tmp_path, capsys):
     assert _snapshot(files) == before and not out.exists()  # nothing written
 
 
+@pytest.mark.multiprocess
 def test_train_py_refuses_bad_settings_before_deepspeed_starts(tmp_path):
     """A real process, without --dry-run: the error comes before torch.distributed and the
     model, and nothing is written."""

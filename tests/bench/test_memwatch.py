@@ -5,7 +5,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.bench import bench_script
+
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
 memwatch = bench_script("memwatch")
 

@@ -12,6 +12,8 @@ from megatron_rembert.fs import sha256_file
 from tests.checkpoint.workers import integrity_worker
 from tests.distributed import run_distributed
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 
 @pytest.fixture(scope="module")
 def damaged(tmp_path_factory):

@@ -73,6 +73,7 @@ def _load_into_module(model, folder):
     load_portable(Engine, folder, read_meta(folder))
 
 
+@pytest.mark.multiprocess
 def test_from_hf_loads_in_trainer_at_tp2_pp2(tmp_path):
     """Our pipeline trainer at tp=2 x pp=2 gives transformers' loss on the converted model."""
     from tests.convert.workers import eval_worker

@@ -162,6 +162,7 @@ def test_encodings_links_and_odd_names_are_read_or_skipped(tmp_path, tokenizer):
     assert m["languages"]["aa"]["documents"] == 6 and m["languages"]["bb"]["documents"] == 3
 
 
+@pytest.mark.multiprocess
 def test_tools_exit_2_on_bad_input(tmp_path, tokenizer):
     """docs/data.md: errors exit with code 2 and one line naming the path."""
     missing = str(tmp_path / "missing")

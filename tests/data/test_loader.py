@@ -35,6 +35,7 @@ def _validation(data_dir, dp_rank):
                                         return_tensors="np"))
 
 
+@pytest.mark.multiprocess
 def test_ranks_split_the_global_batch_and_workers_do_not_matter(dataset):
     single = _take(dataset, 6, micro_batch_size=4)  # dp=1: 2 micro-batches of 4 per step
     ranks = [_take(dataset, 6, dp_rank=r, dp_size=2, num_workers=2 if r else 0)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from megatron_rembert.data.common import SpecialIds
 from megatron_rembert.data.shards import ShardDataset
@@ -67,6 +68,7 @@ def test_round_trip(corpus, tokenizer, dataset):
                     assert sp.decode(piece) == docs[k]
 
 
+@pytest.mark.multiprocess
 def test_cli_end_to_end(tmp_path):
     """The thin scripts run as `python data_tools/X.py` and chain together."""
     def run(*args):

@@ -35,6 +35,7 @@ def _child(corpus, out, tokenizer) -> subprocess.Popen:
                             cwd=ROOT, stderr=subprocess.DEVNULL)
 
 
+@pytest.mark.multiprocess
 def test_kill_and_resume_gives_identical_shards(corpus, tokenizer, dataset, tmp_path):
     reference = json.loads((dataset / "manifest.json").read_text())
     out = tmp_path / "out"

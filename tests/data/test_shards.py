@@ -57,6 +57,7 @@ def test_truncated_shard_names_file(copy):
         ShardDataset(copy)
 
 
+@pytest.mark.multiprocess
 def test_modified_shard_found_by_checksum(copy):
     shard = _first_shard(copy)
     data = bytearray(shard.read_bytes())

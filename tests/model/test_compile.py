@@ -34,6 +34,7 @@ def _run(compile: bool, dtype, unpadded: bool):
                                            model.named_parameters()}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("dtype, rel", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)],
                          ids=["fp32", "bf16"])
 @pytest.mark.parametrize("unpadded", [True, False], ids=["flash-path", "masked"])
@@ -54,6 +55,7 @@ def test_compile_with_dropout_is_refused():
         config.validate()
 
 
+@pytest.mark.multiprocess
 def test_layers_share_one_graph():
     """All layers reuse one compiled graph (dynamo treats their parameters as inputs): a graph
     per layer would pass dynamo's cache limit (8) and leave the later layers eager."""

@@ -42,6 +42,7 @@ def _train_with_straggler(rank, world_size, sets):
     loop.train(load_config("configs/tiny.yaml", sets))
 
 
+@pytest.mark.multiprocess
 def test_missed_collective_fails_with_each_ranks_position(tiny_dataset, tmp_path, capfd):
     sets = {**data_overrides(*tiny_dataset, tmp_path, 4), "parallel.pp": 2,
             "parallel.timeout_minutes": TIMEOUT_MIN}
@@ -59,6 +60,7 @@ def test_missed_collective_fails_with_each_ranks_position(tiny_dataset, tmp_path
         in capfd.readouterr().err
 
 
+@pytest.mark.multiprocess
 def test_user_error_naming_gloo_nccl_timeout_is_a_clean_exit_2(tiny_dataset, tmp_path):
     """A checkpoint error whose message happens to contain "gloo", "nccl" and "timeout" (they
     are in the save folder's name) is bad input: one `error:` line and exit 2, not the
@@ -117,6 +119,7 @@ def _collective_after_a_silent_peer(rank, world_size, how):
     return "no error"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("how", ["all_reduce", "recv"])
 def test_a_real_gloo_timeout_is_a_collective_failure(how):
     first, _ = run_distributed(_collective_after_a_silent_peer, 2, how, timeout=120,

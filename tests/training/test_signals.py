@@ -6,7 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.training.conftest import SEQ
+
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
 ROOT = Path(__file__).resolve().parents[2]
 
