@@ -36,15 +36,15 @@ if [ -d "$OUT/corpus" ]; then
     echo "corpus: already done ($OUT/corpus)"
 else  # written aside and renamed, so an interrupted run leaves no half corpus behind
     rm -rf "$OUT/corpus.partial"
-    python data_tools/make_demo_corpus.py --out "$OUT/corpus.partial" --size-mb "$SIZE_MB"
+    rembert-make-demo-corpus --out "$OUT/corpus.partial" --size-mb "$SIZE_MB"
     mv "$OUT/corpus.partial" "$OUT/corpus"
 fi
 # Reproducible: a rerun finds the same tokenizer and says "already done".
-python data_tools/train_tokenizer.py --corpus "$OUT/corpus" --out "$OUT/tokenizer/spm" \
+rembert-train-tokenizer --corpus "$OUT/corpus" --out "$OUT/tokenizer/spm" \
     --vocab-size 1000
-python data_tools/preprocess.py --corpus "$OUT/corpus" --tokenizer "$OUT/tokenizer/spm.model" \
+rembert-preprocess --corpus "$OUT/corpus" --tokenizer "$OUT/tokenizer/spm.model" \
     --out "$OUT/data" --seq-length 64 --valid-fraction 0.02 --no-progress
-python data_tools/inspect_shards.py "$OUT/data" --verify
+rembert-inspect-shards "$OUT/data" --verify
 
 STEPS=$(python -c 'import yaml; print(yaml.safe_load(open("configs/demo.yaml"))["train"]["steps"])')
 [ "$MODE" = quick ] && STEPS=40
@@ -73,7 +73,7 @@ if valid:
 print(f"""
 corpus       {out}/corpus
 tokenizer    {out}/tokenizer/spm.model
-dataset      {out}/data  (python data_tools/inspect_shards.py {out}/data --decode 3 --tokenizer {out}/tokenizer/spm.model)
+dataset      {out}/data  (rembert-inspect-shards {out}/data --decode 3 --tokenizer {out}/tokenizer/spm.model)
 checkpoints  {out}/checkpoints  (latest: {open(f"{out}/checkpoints/latest").read().strip()})
 metrics      {out}/logs/metrics.jsonl
 TensorBoard  . .venv/bin/activate && tensorboard --logdir {out}/logs""")

@@ -1,77 +1,9 @@
-"""Pre-train a RemBERT-style encoder: `train.py --config configs/tiny.yaml [--set k=v ...]`.
+"""`python train.py --config configs/tiny.yaml [--set k=v ...]` from a checkout: the same as the
+console script `rembert-train`. The command line lives in megatron_rembert/train.py."""
 
-Launch one process per GPU with torchrun (or SLURM, see slurm/); on CPU the ranks use gloo.
-
-Exit codes: 0 done, or stopped by SIGTERM / SIGUSR1 / Ctrl-C after saving at the step
-boundary (during start-up: nothing to save yet); 2 bad settings or input (one `error:` line,
-before any heavy work); 130 a second Ctrl-C (no save; the last complete checkpoint is kept);
-1 anything else.
-"""
-
-from __future__ import annotations
-
-import argparse
-import importlib.util
-import os
 import sys
 
-from megatron_rembert.config import ConfigError
-from megatron_rembert.data.common import DataError
-from megatron_rembert.run_config import check_settings, config_help, load_config
-from megatron_rembert.training.checkpoint import CheckpointError
-from megatron_rembert.training.signals import StopFlag
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, epilog=config_help(),
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="YAML file with model/parallel/data/optim/train/"
-                        "eval sections (configs/*.yaml)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override one key, repeatable: --set train.steps=20 "
-                        "--set parallel.tp=2 (keys listed below)")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="print sizes, layout, per-rank memory and FLOPs per step; "
-                        "allocate nothing and exit")
-    parser.add_argument("--world-size", type=int,
-                        default=int(os.environ.get("WORLD_SIZE", 0)) or None,
-                        help="number of processes assumed by --dry-run (default: $WORLD_SIZE, "
-                        "else tp x pp)")
-    args = parser.parse_args(argv)
-    try:
-        config = load_config(args.config, args.set)
-        # Ranges and paths, before torch.distributed, DeepSpeed or the model start.
-        check_settings(config)
-        if config.parallel.ds_config:  # read and checked here, --dry-run included
-            from megatron_rembert.training.optim import load_ds_config
-
-            load_ds_config(config.parallel.ds_config)
-        if config.train.wandb_project and importlib.util.find_spec("wandb") is None:
-            raise ConfigError(f"train.wandb_project={config.train.wandb_project}: wandb is not "
-                              "installed; pip install wandb, or leave train.wandb_project empty")
-        if args.world_size is not None and args.world_size < 1:
-            raise ConfigError(f"--world-size {args.world_size}: must be >= 1")
-        if args.dry_run:
-            from megatron_rembert.training.estimate import dry_run_report
-
-            print(dry_run_report(config, args.world_size))
-            return 0
-        # Stop signals are remembered from here on: DeepSpeed and the model start later.
-        stop = StopFlag()
-        from megatron_rembert.training.loop import train
-
-        summary = train(config, stop)
-    except (ConfigError, DataError, CheckpointError) as err:
-        # Bad input: one clear line, no traceback (raised before any heavy work).
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    if summary and int(os.environ.get("RANK", 0)) == 0:
-        print(f"done at step {summary['step']}; checkpoints in {summary['save_dir']}, "
-              f"metrics in {summary['log_dir']}/metrics.jsonl; "
-              f"view with: tensorboard --logdir {summary['log_dir']}")
-    return 0
-
+from megatron_rembert.train import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -45,19 +45,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
-from megatron_rembert.data.common import format_table  # noqa: E402
+from megatron_rembert.cli import format_table  # noqa: E402
 from megatron_rembert.data.config import DataConfig  # noqa: E402
-from megatron_rembert.data.corpus import (  # noqa: E402
+from megatron_rembert.data.loader import build_pretraining_loader  # noqa: E402
+from megatron_rembert.parallel.layout import Layout  # noqa: E402
+from megatron_rembert.prep.corpus import (  # noqa: E402
     DEFAULT_BLOCK_BYTES,
     SkipStats,
     discover_corpus,
     iter_documents,
 )
-from megatron_rembert.data.demo_corpus import make_demo_corpus  # noqa: E402
-from megatron_rembert.data.loader import build_pretraining_loader  # noqa: E402
-from megatron_rembert.data.preprocess import PreprocessConfig, preprocess  # noqa: E402
-from megatron_rembert.data.tokenizer import load_sentencepiece, train_tokenizer  # noqa: E402
-from megatron_rembert.parallel.layout import Layout  # noqa: E402
+from megatron_rembert.prep.demo_corpus import make_demo_corpus  # noqa: E402
+from megatron_rembert.prep.preprocess import PreprocessConfig, preprocess  # noqa: E402
+from megatron_rembert.prep.tokenizer import load_sentencepiece, train_tokenizer  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -36,9 +36,9 @@ RESUME_REL, LAYOUT_REL = 1e-4, 2e-3
 
 
 def make_dataset(work: Path) -> tuple[Path, Path]:
-    from megatron_rembert.data.demo_corpus import make_demo_corpus
-    from megatron_rembert.data.preprocess import PreprocessConfig, preprocess
-    from megatron_rembert.data.tokenizer import train_tokenizer
+    from megatron_rembert.prep.demo_corpus import make_demo_corpus
+    from megatron_rembert.prep.preprocess import PreprocessConfig, preprocess
+    from megatron_rembert.prep.tokenizer import train_tokenizer
 
     data, tokenizer = work / "data", work / "tok" / "spm.model"
     if not (data / "manifest.json").exists():

@@ -1,32 +1,9 @@
-"""Write the synthetic multilingual demo corpus (8 languages, 8 scripts, Zipfian vocabularies,
-fixed word orders). Deterministic and offline. Example:
+"""`python data_tools/make_demo_corpus.py --help`: the same as the console script
+`rembert-make-demo-corpus`. The command line lives in megatron_rembert/prep/commands.py."""
 
-    python data_tools/make_demo_corpus.py --out demo_out/corpus --size-mb 4
-"""
+import sys
 
-import argparse
-
-import _path  # noqa: F401
-
-from megatron_rembert.data.demo_corpus import LANGUAGES, make_demo_corpus
-from megatron_rembert.paths import unwritable_reason
-
-
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="output corpus folder (DIR/<lang>/...)")
-    p.add_argument("--size-mb", type=float, default=4.0, help="total size of the text (MB)")
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--languages", nargs="*", choices=[x.code for x in LANGUAGES],
-                   help="subset of languages (default: all)")
-    args = p.parse_args()
-    if reason := unwritable_reason(args.out):
-        p.error(f"--out {args.out}: {reason}")
-    docs = make_demo_corpus(args.out, args.size_mb, args.seed, args.languages)
-    for lang, n in docs.items():
-        print(f"{lang:8s} {n:8,d} documents")
-
+from megatron_rembert.prep.commands import make_demo_corpus
 
 if __name__ == "__main__":
-    main()
+    sys.exit(make_demo_corpus())

@@ -12,8 +12,10 @@ import difflib
 import math
 from dataclasses import dataclass
 
+from megatron_rembert.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError):
     """A configuration value is invalid; the message names the field and the fix."""
 
 

@@ -1,6 +1,7 @@
 """Training and per-language validation curves of one or more runs, in one figure.
 
-    python -m megatron_rembert.plot LOG_DIR [LOG_DIR ...] --out runs.png [--labels A B ...]
+    rembert-plot LOG_DIR [LOG_DIR ...] --out runs.png [--labels A B ...]
+    (or python -m megatron_rembert.plot ...)
 
 Reads each folder's metrics.jsonl (train.py writes it into train.log_dir) and draws four
 panels against the step: training loss, training MLM accuracy, validation loss and validation
@@ -17,11 +18,14 @@ import json
 import sys
 from pathlib import Path
 
+from megatron_rembert.cli import prog, run_cli
+from megatron_rembert.errors import UserError
+
 PANELS = (("train", "loss", "training loss"), ("train", "mlm_acc", "training MLM accuracy"),
           ("valid", "loss", "validation loss"), ("valid", "mlm_acc", "validation MLM accuracy"))
 
 
-class PlotError(ValueError):
+class PlotError(UserError):
     """Bad input to the plot command; the message names the file."""
 
 
@@ -87,7 +91,12 @@ def plot_runs(log_dirs: list[str | Path], labels: list[str] | None = None):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_rembert.plot", description=__doc__,
+    return run_cli(_main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
+    parser = argparse.ArgumentParser(prog=prog("python -m megatron_rembert.plot"),
+                                     description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("log_dirs", nargs="+", help="train.log_dir of each run")
     parser.add_argument("--out", required=True, help="image file (.png, .pdf or .svg)")
@@ -99,17 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        print("error: plotting needs matplotlib: pip install -e '.[plot]'", file=sys.stderr)
-        return 2
+        raise PlotError("plotting needs matplotlib: pip install -e '.[plot]'") from None
+    fig = plot_runs(args.log_dirs, args.labels)
     try:
-        fig = plot_runs(args.log_dirs, args.labels)
         fig.savefig(args.out, dpi=120)
-    except PlotError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
     except (OSError, ValueError) as err:  # unwritable --out, an unknown image suffix
-        print(f"error: --out {args.out}: {err}", file=sys.stderr)
-        return 2
+        raise PlotError(f"--out {args.out}: {err}") from err
     print(f"wrote {args.out}")
     return 0
 

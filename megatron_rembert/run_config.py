@@ -36,8 +36,8 @@ from megatron_rembert.config import (
     get_preset,
 )
 from megatron_rembert.data.config import DataConfig
+from megatron_rembert.fs import unwritable_reason
 from megatron_rembert.parallel.layout import Layout
-from megatron_rembert.paths import unwritable_reason
 
 
 @dataclass

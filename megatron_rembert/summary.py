@@ -6,7 +6,9 @@ Builds the model on the meta device, so even the 995M model allocates nothing.
 from __future__ import annotations
 
 import argparse
+import sys
 
+from megatron_rembert.cli import prog, run_cli
 from megatron_rembert.config import PRESETS, get_preset
 from megatron_rembert.model.sizes import flops_per_token, parameter_counts
 
@@ -40,9 +42,13 @@ def format_summary(name: str, seq_length: int, mask_rate: float) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(_main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m megatron_rembert.summary",
+        prog=prog("python -m megatron_rembert.summary"),
         description="Exact parameter counts, embedding shares and FLOPs per token of a preset.")
     parser.add_argument("--preset", default="rembert", choices=sorted(PRESETS) + ["all"],
                         help="model preset (default: rembert); 'all' prints every preset")
@@ -52,7 +58,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     names = sorted(PRESETS) if args.preset == "all" else [args.preset]
     print("\n\n".join(format_summary(n, args.seq_length, args.mask_rate) for n in names))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -2,9 +2,92 @@
 
 Triton kernels run on CPU tensors under the interpreter; the variable must be set before
 `triton` is first imported, so it is set here, before any test module is collected.
+
+A test that starts processes (gloo ranks, torchrun, train.py or a data tool as a process,
+the loader's worker processes, SLURM jobs) is marked `multiprocess`, so that
+`pytest -m "not multiprocess"` is a quick loop (README, "Tests"). The mark is kept true: an
+unmarked test that starts a Python process, a shell or a launcher fails and says so.
 """
 
+import multiprocessing.process
 import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# Programs whose start makes a test multi-process: interpreters, shells, launchers. Compilers
+# and probes that libraries run on their own (ninja, ptxas, ldconfig) are not counted.
+LAUNCHERS = {"bash", "sh", "torchrun", "sbatch", "srun", "salloc", "deepspeed"}
+
+
+def _program(args, kwargs) -> str:
+    if kwargs.get("executable"):
+        return str(kwargs["executable"])
+    if kwargs.get("shell"):
+        return "sh"
+    if isinstance(args, (str, bytes, os.PathLike)):
+        args = shlex.split(os.fsdecode(args))
+    return os.fsdecode(args[0]) if args else ""
+
+
+def _is_process_of_ours(program: str) -> bool:
+    name = Path(program).name
+    return (name in LAUNCHERS or name.startswith("python")
+            or os.path.realpath(program) == os.path.realpath(sys.executable))
+
+
+class _NoProcesses:
+    """While active, starting a Python process, a shell or a launcher fails the test."""
+
+    def __init__(self, nodeid: str):
+        self.nodeid = nodeid
+        self.saved = (subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start)
+
+    def refuse(self, what: str):
+        pytest.fail(f"{self.nodeid} starts {what}: mark it @pytest.mark.multiprocess "
+                    "(tests/conftest.py)", pytrace=False)
+
+    def __enter__(self):
+        real_init, _ = self.saved
+        guard = self
+
+        def popen_init(popen, args, *rest, **kwargs):
+            program = _program(args, kwargs)
+            if _is_process_of_ours(program):
+                guard.refuse(f"the process {Path(program).name}")
+            real_init(popen, args, *rest, **kwargs)
+
+        def start(process):
+            guard.refuse(f"a {type(process).__name__}")
+
+        subprocess.Popen.__init__ = popen_init
+        multiprocessing.process.BaseProcess.start = start
+
+    def __exit__(self, *exc):
+        subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start = self.saved
+
+
+def _guarded(item):
+    if item.get_closest_marker("multiprocess") is not None:
+        yield
+        return
+    with _NoProcesses(item.nodeid):
+        yield
+
+
+# Setup included: a session fixture that starts processes, set up for an unmarked test, would
+# cost the quick loop as much as the test itself.
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    yield from _guarded(item)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    yield from _guarded(item)

@@ -7,7 +7,6 @@ carrying a message is what Python would print to stderr with exit code 1."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -15,16 +14,11 @@ from pathlib import Path
 import pytest
 
 from megatron_rembert.convert.__main__ import main as convert_main
+from megatron_rembert.prep import commands
+from megatron_rembert.train import main as train_main
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
-
-
-def _script(path: Path):
-    spec = importlib.util.spec_from_file_location(f"_table_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -113,17 +107,8 @@ def _main(tool: str):
     if tool == "convert":
         return convert_main
     if tool == "train.py":
-        return _script(ROOT / "train.py").main
-    sys.path.insert(0, str(ROOT / "data_tools"))  # the tools' own `import _path`
-    module = _script(ROOT / "data_tools" / tool)
-
-    def run(argv):
-        old, sys.argv = sys.argv, [tool, *argv]
-        try:
-            return module.main()
-        finally:
-            sys.argv = old
-    return run
+        return train_main
+    return getattr(commands, tool.removesuffix(".py"))  # data_tools/X.py runs commands.X
 
 
 def _exit_code(main, argv) -> int:
@@ -158,6 +143,7 @@ def test_bad_input_is_one_error_line(case, files, tmp_path, capsys):
     assert _snapshot(files) == before and not out.exists()  # nothing written
 
 
+@pytest.mark.multiprocess
 def test_train_py_refuses_bad_settings_before_deepspeed_starts(tmp_path):
     """A real process, without --dry-run: the error comes before torch.distributed and the
     model, and nothing is written."""

@@ -6,6 +6,10 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -1,7 +1,8 @@
-"""File access for checkpoints: atomic writes, sha256 while writing, safe reads.
+"""File access for checkpoints: sha256 while writing, safe reads.
 
-- atomic.py: `atomic_write` (also used by the data tools) and `HashingFile`, which hashes every
-  byte written through it, so a checkpoint's manifest costs no second read of what we write.
+- `megatron_rembert.fs` (the ground floor every package uses) has `atomic_write` and
+  `HashingFile`, which hashes every byte written through it, so a checkpoint's manifest costs
+  no second read of what we write.
 - `SafetensorsWriter` streams one tensor at a time (the header is computed up front).
 - Reading is only ever safetensors or `torch.load(weights_only=True)`: a pickle that carries
   code is refused, never run.
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 
 from megatron_rembert.checkpoint import CheckpointError
-from megatron_rembert.checkpoint.atomic import HashingFile
+from megatron_rembert.fs import HashingFile
 
 # safetensors dtype names (the format's own spelling).
 ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from megatron_rembert.checkpoint import CheckpointError
-from megatron_rembert.checkpoint.atomic import atomic_write, atomic_write_json, sha256_file
+from megatron_rembert.fs import atomic_write, atomic_write_json, sha256_file
 
 COMPLETE, LATEST, META, MANIFEST = "complete", "latest", "meta.json", "manifest.json"
 ROLLED_BACK = "rolled_back"

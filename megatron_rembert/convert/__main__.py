@@ -9,9 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_rembert.checkpoint import CheckpointError
-from megatron_rembert.config import ConfigError
-from megatron_rembert.convert.files import ConvertError
+from megatron_rembert.cli import prog, run_cli
 
 DESCRIPTION = ("Convert checkpoints to and from transformers RemBERT folders, and between "
                "TP x PP layouts. Every command writes into a temporary folder next to --out "
@@ -22,7 +20,7 @@ CHECKPOINT_HELP = ("a step_XXXXXXXX folder, or a save folder (train.save_dir, or
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m megatron_rembert.convert",
+    parser = argparse.ArgumentParser(prog=prog("python -m megatron_rembert.convert"),
                                      description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -76,24 +74,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Bad input (a ConvertError, ConfigError or CheckpointError): one `error:` line, exit 2."""
+    return run_cli(_main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     from megatron_rembert.convert import average, hf_io, reshard
 
-    try:
-        if args.command in ("to-hf", "export-encoder"):
-            hf_io.export_hf(args.checkpoint, args.out, args.tokenizer, args.force,
-                            encoder_only=args.command == "export-encoder")
-        elif args.command == "from-hf":
-            hf_io.import_hf(args.model, args.out, args.tp, args.pp, args.force, args.config,
-                            args.set, args.seed)
-        elif args.command == "average":
-            average.average(args.checkpoints, args.out, args.force)
-        else:
-            reshard.reshard(args.checkpoint, args.out, args.tp, args.pp, args.force,
-                            args.weights_only)
-    except (ConvertError, ConfigError, CheckpointError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    if args.command in ("to-hf", "export-encoder"):
+        hf_io.export_hf(args.checkpoint, args.out, args.tokenizer, args.force,
+                        encoder_only=args.command == "export-encoder")
+    elif args.command == "from-hf":
+        hf_io.import_hf(args.model, args.out, args.tp, args.pp, args.force, args.config,
+                        args.set, args.seed)
+    elif args.command == "average":
+        average.average(args.checkpoints, args.out, args.force)
+    else:
+        reshard.reshard(args.checkpoint, args.out, args.tp, args.pp, args.force,
+                        args.weights_only)
     return 0
 
 

@@ -16,8 +16,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from megatron_rembert.errors import UserError
 
-class ConvertError(RuntimeError):
+
+class ConvertError(UserError):
     """Bad input or output for a conversion; the message names the file or flag."""
 
 

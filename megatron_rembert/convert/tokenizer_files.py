@@ -14,7 +14,8 @@ import shutil
 from pathlib import Path
 
 from megatron_rembert.convert.files import ConvertError
-from megatron_rembert.data.common import SPECIAL_PIECES, sha256_file
+from megatron_rembert.data.common import SPECIAL_PIECES
+from megatron_rembert.fs import sha256_file
 
 HF_EXTRA_HINT = "pip install 'megatron-rembert[hf]' (in a clone: pip install -e '.[hf]')"
 

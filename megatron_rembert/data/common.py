@@ -1,25 +1,18 @@
-"""Small helpers shared by the data tools: errors, special ids, atomic writes, checksums,
-a bounded ordered map over a process pool and a console progress bar."""
+"""What the training-time data path and the preparation tools (`prep/`) share besides the
+shard format: the error type, the special token ids every dataset records, and a bounded,
+ordered map over a pool (the loader's worker processes, preprocessing's threads)."""
 
 from __future__ import annotations
 
 import collections
-import os
-import sys
-import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-# Atomic writes and file hashes live with the checkpoints, which use them too.
-from megatron_rembert.checkpoint.atomic import (  # noqa: F401 - used by the data tools
-    atomic_write,
-    atomic_write_json,
-    sha256_file,
-)
+from megatron_rembert.errors import UserError
 
 
-class DataError(RuntimeError):
+class DataError(UserError):
     """Bad input or a dataset that does not match what it should be. The message names the
     file (or flag) and says how to fix it."""
 
@@ -49,11 +42,6 @@ class SpecialIds:
 SPECIAL_PIECES = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"}
 
 
-def usable_cpus() -> int:
-    """The CPUs this process may run on (a SLURM job's share, not the whole node)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 class Ready:
     """A value already at hand, with the method ordered_map waits on (as a pool's result)."""
 
@@ -79,52 +67,3 @@ def ordered_map(
     while pending:
         done, handle = pending.popleft()
         yield done, handle.get()
-
-
-class ProgressBar:
-    """A one-line progress bar on stderr, redrawn at most every `interval` seconds."""
-
-    def __init__(self, total: int, label: str = "", interval: float = 0.5, enabled: bool = True):
-        self.total, self.label = max(total, 1), label
-        self.enabled = enabled and sys.stderr is not None
-        # In a log file (SLURM) redraws would pile up: one plain line every 30 s instead.
-        self.tty = self.enabled and sys.stderr.isatty()
-        self.interval = interval if self.tty else 30.0
-        self.done, self.start, self._last = 0, time.monotonic(), 0.0
-        self.note = ""
-
-    def update(self, done: int, note: str = "", force: bool = False) -> None:
-        self.done, self.note = done, note
-        now = time.monotonic()
-        if not self.enabled or (not force and now - self._last < self.interval):
-            return
-        self._last = now
-        frac = min(self.done / self.total, 1.0)
-        bar = "#" * int(frac * 30)
-        elapsed = now - self.start
-        rate = self.done / max(elapsed, 1e-9)
-        eta = _clock((self.total - self.done) / rate) if rate > 0 else "?"
-        line = (f"{self.label} [{bar:<30}] {100 * frac:5.1f}% {rate / 1e6:6.1f} MB/s "
-                f"elapsed {_clock(elapsed)} eta {eta} {self.note}")
-        sys.stderr.write(f"\r{line}\x1b[K" if self.tty else line + "\n")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        self.update(self.done, self.note, force=True)
-        if self.tty:
-            sys.stderr.write("\n")
-
-
-def _clock(seconds: float) -> str:
-    minutes, sec = divmod(int(max(seconds, 0)), 60)
-    return f"{minutes // 60}:{minutes % 60:02d}:{sec:02d}"
-
-
-def format_table(header: list[str], rows: list[list[Any]]) -> str:
-    """Plain-text table with right-aligned numbers."""
-    cells = [header] + [[f"{c:,}" if isinstance(c, int) else str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in
-                       enumerate(zip(r, widths, strict=True))) for r in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)

@@ -9,11 +9,12 @@ A batch is handed out only once the background sha256 checks of the shards it re
 passed (`ShardDataset.wait_verified`, in the training process); every token id is checked
 against the vocabulary when the rows are read (`ShardDataset.get`, in the workers).
 
-Yielded batches are dicts (see `masking.mask_batch` and `masking.BATCH_DTYPES`): `input_ids`,
-`attention_mask`, `token_type_ids`, `masked_positions`, `masked_labels` int64 and
-`masked_weights` float32, and `unpadded` (shape (1,), int64: 1 when the micro-batch holds no
-padding, so that attention can skip its mask and run FlashAttention on CUDA), as torch
-tensors (`return_tensors="pt"`, the default; CPU, the trainer moves them) or numpy arrays.
+Yielded batches are dicts with the keys, dtypes and shapes of `batch.FIELDS` (made by
+`masking.mask_batch`): `input_ids`, `attention_mask`, `token_type_ids`, `masked_positions`,
+`masked_labels` int64 and `masked_weights` float32, and `unpadded` (shape (1,), int64: 1 when
+the micro-batch holds no padding, so that attention can skip its mask and run FlashAttention
+on CUDA), as torch tensors (`return_tensors="pt"`, the default; CPU, the trainer moves them)
+or numpy arrays.
 """
 
 from __future__ import annotations
@@ -33,17 +34,6 @@ from megatron_rembert.data.sampler import ScheduledSampler, rank_sample_indices,
 from megatron_rembert.data.schedule import Schedule
 from megatron_rembert.data.shards import ShardDataset
 from megatron_rembert.parallel.layout import Layout
-
-
-def unpadded_flag(attention_mask: np.ndarray) -> np.ndarray:
-    """The batch key `unpadded`: [1] if no position of the micro-batch is padding, else [0].
-    Packed rows (data/packing.py) fill the whole sequence, so it is 1 for nearly every packed
-    micro-batch; the model then calls attention without a mask."""
-    return np.array([int(np.asarray(attention_mask).all())], dtype=np.int64)
-
-
-def add_unpadded_flag(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    return {**batch, "unpadded": unpadded_flag(batch["attention_mask"])}
 
 
 class TrainBatches:
@@ -72,8 +62,8 @@ class TrainBatches:
     def __call__(self, j: int) -> dict[str, np.ndarray]:
         idx = self.indices(j)
         lang, row = self.sampler(idx)
-        return add_unpadded_flag(mask_batch(self.dataset.get(lang, row), idx, self.masking,
-                                            self.word_starts, self.mask_probs(idx)))
+        return mask_batch(self.dataset.get(lang, row), idx, self.masking, self.word_starts,
+                          self.mask_probs(idx))
 
     def ready(self, j: int) -> None:
         """Return once the shards micro-batch j reads have passed their sha256 checks."""
@@ -118,8 +108,8 @@ class ValidBatches:
         row = rows[np.where(real, pos, 0)]  # padding repeats a real row, with weights 0
         batch = mask_batch(self.dataset.get(np.full(len(row), lang), row),
                            self.first_index[lang] + row, self.masking, self.word_starts)
-        batch["masked_weights"][~real] = 0.0
-        return add_unpadded_flag(batch)
+        batch["masked_weights"][~real] = 0.0  # the attention mask (and `unpadded`) stay
+        return batch
 
     def ready(self, lang: int) -> None:
         """Return once the shards of language `lang`'s set have passed their sha256 checks."""

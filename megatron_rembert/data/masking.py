@@ -21,21 +21,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megatron_rembert.data import batch
 from megatron_rembert.data.common import SpecialIds
 from megatron_rembert.data.sampler import rng_for
 
 MASK_STREAM = 2  # the rng_for tag of the masking stream (0, 1: sampler)
-
-
-# The micro-batch every loader yields and the trainer checks: key -> dtype (torch's the same).
-# Integers wherever a value is not a real number: DeepSpeed's pipeline engine takes every
-# floating-point tensor it passes between stages for an activation that needs a gradient.
-BATCH_DTYPES = {"input_ids": np.int64, "attention_mask": np.int64, "token_type_ids": np.int64,
-                "masked_positions": np.int64, "masked_labels": np.int64,
-                "masked_weights": np.float32,
-                # shape (1,): 1 if attention_mask has no padding (data.loader.add_unpadded_flag),
-                # then attention runs without a mask (model/transformer.py)
-                "unpadded": np.int64}
 
 
 def default_max_predictions(seq_length: int, mask_prob: float = 0.15) -> int:
@@ -161,15 +151,16 @@ def _mask_row(ids: np.ndarray, cand: np.ndarray, index: int, cfg: MaskingConfig,
 
 def mask_sequence(ids: np.ndarray, index: int, cfg: MaskingConfig,
                   word_starts: np.ndarray | None = None):
-    """Mask one row. ids [S] int -> (masked ids [S] int64, positions [P], labels [P],
-    weights [P] float32); positions/labels padded with 0, weights with 0.0."""
+    """Mask one row. ids [S] int -> (masked ids [S], positions [P], labels [P], weights [P]),
+    each row of its batch key (`batch.FIELDS`); positions/labels padded with 0, weights with 0.0.
+    """
     if cfg.whole_word_mask and word_starts is None:
         raise ValueError("whole_word_mask needs the word_starts table (ShardDataset.word_starts)")
-    ids = np.asarray(ids, dtype=np.int64)
+    ids = np.asarray(ids, dtype=batch.FIELDS["input_ids"].dtype)
     out = ids.copy()
-    P = cfg.max_predictions
-    positions, labels = np.zeros(P, np.int64), np.zeros(P, np.int64)
-    weights = np.zeros(P, np.float32)
+    S, P = len(ids), cfg.max_predictions
+    positions, labels, weights = (batch.zeros(key, 1, S, P)[0] for key in
+                                  ("masked_positions", "masked_labels", "masked_weights"))
     picked = _mask_row(ids, _candidates(ids, cfg), index, cfg, word_starts, cfg.first_regular_id)
     if picked is None:
         return out, positions, labels, weights
@@ -184,22 +175,21 @@ def mask_batch(ids: np.ndarray, indices: np.ndarray, cfg: MaskingConfig,
                word_starts: np.ndarray | None = None,
                mask_probs: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """ids [B, S] + global sample indices [B] (+ each row's mask rate [B], default
-    cfg.mask_prob) -> the batch dict:
-    input_ids [B,S] int64, attention_mask [B,S] int64 (1 real, 0 pad), token_type_ids [B,S]
-    int64 (zeros), masked_positions [B,P] int64, masked_labels [B,P] int64,
-    masked_weights [B,P] float32.
+    cfg.mask_prob) -> the micro-batch: every key of `batch.FIELDS`, of its dtype and shape
+    (attention_mask 1 at real tokens, 0 at padding; token_type_ids zeros; masked_* P wide).
 
     Row for row the same as `mask_sequence`; the work that does not depend on the row's
     generator (int64 conversion, candidates, output arrays) is done once for the batch."""
     if cfg.whole_word_mask and word_starts is None:
         raise ValueError("whole_word_mask needs the word_starts table (ShardDataset.word_starts)")
     src = np.asarray(ids)
-    ids64 = src.astype(np.int64)  # a copy: becomes input_ids once the masks are written in
-    B, P = ids64.shape[0], cfg.max_predictions
+    # a copy: becomes input_ids once the masks are written in
+    ids64 = src.astype(batch.FIELDS["input_ids"].dtype)
+    (B, S), P = ids64.shape, cfg.max_predictions
     cand = _candidates(ids64, cfg)
     first_regular = cfg.first_regular_id  # a dataclass walk: once per batch, not per row
-    positions, labels = np.zeros((B, P), np.int64), np.zeros((B, P), np.int64)
-    weights = np.zeros((B, P), np.float32)
+    positions, labels, weights = (batch.zeros(key, B, S, P) for key in
+                                  ("masked_positions", "masked_labels", "masked_weights"))
     wids = (_batch_word_ids(ids64, cand, word_starts, cfg.max_word_pieces)
             if cfg.whole_word_mask else None)
     rows, cols, news = [], [], []
@@ -217,11 +207,13 @@ def mask_batch(ids: np.ndarray, indices: np.ndarray, cfg: MaskingConfig,
         news.append(new)
     if rows:  # one scatter for the batch, after every label has been read from the originals
         ids64[np.concatenate(rows), np.concatenate(cols)] = np.concatenate(news)
+    attention_mask = (src != cfg.special_ids.pad).astype(batch.FIELDS["attention_mask"].dtype)
     return {
         "input_ids": ids64,
-        "attention_mask": (src != cfg.special_ids.pad).astype(np.int64),
-        "token_type_ids": np.zeros_like(ids64),
+        "attention_mask": attention_mask,
+        "token_type_ids": batch.zeros("token_type_ids", B, S, P),
         "masked_positions": positions,
         "masked_labels": labels,
         "masked_weights": weights,
+        "unpadded": batch.unpadded_flag(attention_mask),
     }

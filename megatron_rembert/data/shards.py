@@ -28,8 +28,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from megatron_rembert.checkpoint.atomic import HashingFile
-from megatron_rembert.data.common import DataError, SpecialIds, atomic_write, sha256_file
+from megatron_rembert.data.common import DataError, SpecialIds
+from megatron_rembert.fs import HashingFile, atomic_write, sha256_file
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"

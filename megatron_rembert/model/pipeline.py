@@ -24,17 +24,17 @@ from __future__ import annotations
 import torch
 
 from megatron_rembert.config import ModelConfig
+from megatron_rembert.data import batch
 from megatron_rembert.model.embeddings import RemBertEmbeddings
 from megatron_rembert.model.mlm_head import MLMHead, MLMLoss, gather_positions
 from megatron_rembert.model.transformer import TransformerLayer
 
 # The order of the tuples between stages, the one place it is defined. The first stage's
-# inputs are the device tensors of a micro-batch (data.masking.BATCH_DTYPES), the weights as
+# inputs are the device tensors of a micro-batch (data.batch.DEVICE_KEYS), the weights as
 # int32 bits. The batch's host flag `unpadded` does not travel: reading a device tensor to
 # choose the attention call would wait for the device in every layer; each stage is told the
 # step's attention path instead (`set_unpadded`).
-PIPE_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "masked_positions",
-               "masked_labels", "masked_weights")
+PIPE_INPUTS = batch.DEVICE_KEYS
 # What every later stage receives.
 PIPE_ACTIVATIONS = ("hidden", "attention_mask", "masked_positions", "masked_labels",
                     "masked_weights")

@@ -22,11 +22,11 @@ from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
 from megatron_rembert.checkpoint import CheckpointError
 from megatron_rembert.checkpoint import folder as protocol
-from megatron_rembert.checkpoint.atomic import HashingFile, atomic_write_json, sha256_file
 from megatron_rembert.checkpoint.files import deepspeed_safe_globals, torch_load_weights
 from megatron_rembert.checkpoint.folder import find_latest, read_meta, step_tag
 from megatron_rembert.checkpoint.portable import is_portable
 from megatron_rembert.checkpoint.reader import CheckpointReader
+from megatron_rembert.fs import HashingFile, atomic_write_json, sha256_file
 from megatron_rembert.parallel import comm
 from megatron_rembert.parallel import random as tp_random
 from megatron_rembert.parallel.layout import Layout

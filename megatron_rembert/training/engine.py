@@ -21,11 +21,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from megatron_rembert.data.masking import BATCH_DTYPES
+from megatron_rembert.data import batch
 from megatron_rembert.model.mlm_head import MLMLoss
 from megatron_rembert.model.pipeline import (
     pipeline_inputs,
@@ -57,28 +56,6 @@ class StepStats:
     loss_scale: float | None = None
     lr: float | None = None
     skipped: bool = False  # the optimizer step was skipped (fp16 overflow)
-
-
-def check_micro_batch(mb: dict, where: str = "micro-batch") -> None:
-    """The keys, dtypes and shapes every micro-batch must have (data.masking.BATCH_DTYPES):
-    a float mask, say, would make DeepSpeed's pipeline engine wait for its gradient."""
-    if set(mb) != set(BATCH_DTYPES):
-        raise ValueError(f"{where}: keys {sorted(mb)}, expected {sorted(BATCH_DTYPES)}")
-    for key, dtype in BATCH_DTYPES.items():
-        expected = torch.from_numpy(np.zeros(0, dtype)).dtype
-        if mb[key].dtype != expected:
-            raise ValueError(f"{where}: {key} is {mb[key].dtype}, expected {expected} "
-                             "(data.masking.BATCH_DTYPES)")
-    b, s = mb["input_ids"].shape
-    p = mb["masked_positions"].shape[1]
-    for key in BATCH_DTYPES:
-        expected = (1,) if key == "unpadded" else (b, p) if key.startswith("masked_") else (b, s)
-        if tuple(mb[key].shape) != expected:
-            raise ValueError(f"{where}: {key} has shape {tuple(mb[key].shape)}, expected "
-                             f"{expected}")
-    if bool(mb["unpadded"]) and not bool(mb["attention_mask"].all()):
-        raise ValueError(f"{where}: unpadded is 1 but attention_mask has padding (0s); "
-                         "compute it with data.loader.unpadded_flag")
 
 
 class _StepContext:
@@ -182,7 +159,7 @@ class Trainer:
         """Checked, moved to the training device, and the context of this global batch (its
         loss factor `gas * dp / global masked tokens`, kept on the device: no host sync)."""
         for i, mb in enumerate(micro_batches):
-            check_micro_batch(mb, f"micro-batch {i}")
+            batch.check_micro_batch(mb, f"micro-batch {i}")
         local = sum(float(mb["masked_weights"].sum()) for mb in micro_batches)  # CPU tensors
         tokens = comm.all_reduce(torch.tensor(local, dtype=torch.float32, device=self.device),
                                  group=state.get_state().dp_group)
@@ -191,7 +168,7 @@ class Trainer:
         # `unpadded` becomes a Python bool here, on the host: the model picks the attention
         # call from it, and reading a device tensor would wait for the device. A pipeline runs
         # the step's micro-batches on one path: unpadded when all of them are.
-        moved = [{k: bool(v) if k == "unpadded" else v.to(self.device, non_blocking=True)
+        moved = [{k: bool(v) if k in batch.HOST_KEYS else v.to(self.device, non_blocking=True)
                   for k, v in mb.items()} for mb in micro_batches]
         if self.pipeline:
             set_unpadded(self.engine.module.forward_funcs, all(mb["unpadded"] for mb in moved))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from megatron_rembert.cli import format_table
 from megatron_rembert.config import ConfigError
-from megatron_rembert.data.common import format_table
 from megatron_rembert.data.loader import max_mask_prob
 from megatron_rembert.data.masking import default_max_predictions
 from megatron_rembert.data.schedule import Schedule

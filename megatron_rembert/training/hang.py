@@ -13,7 +13,10 @@ from __future__ import annotations
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass
+
+from megatron_rembert.errors import UserError
 
 
 @dataclass
@@ -44,11 +47,25 @@ def describe(rank: int) -> str:
 
 
 def is_collective_failure(err: BaseException) -> bool:
-    """A timed-out or broken collective (a peer hung or died), as gloo and NCCL report it."""
-    text = str(err).lower()
-    return isinstance(err, RuntimeError) and any(
-        s in text for s in ("timed out", "timeout", "connection closed", "connection reset",
-                            "nccl", "gloo"))
+    """A timed-out or broken collective (a peer hung or died), told by the error's type and
+    where it was raised, never by the words of its message:
+    - torch's distributed errors (`torch.distributed.DistError`): `DistBackendError`, which
+      NCCL raises, and `DistNetworkError` / `DistStoreError` from sockets and the store;
+    - gloo's timeouts and lost peers reach Python as a plain `RuntimeError` (torch 2.13; a
+      test triggers one), so such an error counts when it was raised inside torch.distributed's
+      own code: a blocking collective or send/recv, ours (parallel/comm.py) or DeepSpeed's.
+      (A gloo failure surfacing from the `wait()` of an asynchronous handle, outside
+      torch.distributed, is not recognised and keeps its own traceback.)
+    A `UserError` never is one, whatever its message says."""
+    import torch.distributed as dist
+
+    if isinstance(err, UserError):
+        return False
+    if isinstance(err, dist.DistError):
+        return True
+    frames = [frame for frame, _ in traceback.walk_tb(err.__traceback__)]
+    return (isinstance(err, RuntimeError) and bool(frames)
+            and frames[-1].f_globals.get("__name__", "").startswith("torch.distributed"))
 
 
 class Watchdog:

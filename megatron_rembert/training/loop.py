@@ -15,9 +15,9 @@ import torch.distributed as dist
 from megatron_rembert.checkpoint import folder as protocol
 from megatron_rembert.checkpoint.lock import SaveDirLock
 from megatron_rembert.config import EXECUTION_FIELDS, ConfigError
-from megatron_rembert.data.common import sha256_file
 from megatron_rembert.data.loader import build_pretraining_loader, build_validation_set
 from megatron_rembert.data.shards import ShardDataset
+from megatron_rembert.fs import sha256_file
 from megatron_rembert.model.sizes import flops_per_token
 from megatron_rembert.parallel import comm, state
 from megatron_rembert.parallel import random as tp_random

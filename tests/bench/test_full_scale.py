@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 ROOT = Path(__file__).resolve().parents[2]
 pytest.importorskip("transformers")
 

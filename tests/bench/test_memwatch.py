@@ -5,9 +5,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import pytest
 
-import memwatch  # noqa: E402
+from tests.bench import bench_script
+
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
+memwatch = bench_script("memwatch")
 
 
 def test_an_exited_process_has_no_children(monkeypatch):

@@ -5,13 +5,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from megatron_rembert.run_config import load_config, validate_config
 from megatron_rembert.training.estimate import parameter_balanced_boundaries, stage_plan
+from tests.bench import bench_script
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
-
-import pipeline_balance  # noqa: E402
+pipeline_balance = bench_script("pipeline_balance")
 
 
 def test_stage_times_sum_their_layers():
@@ -19,6 +20,7 @@ def test_stage_times_sum_their_layers():
     assert pipeline_balance.stages([0, 1, 2], [7.0, 8.0]) == [7.0, 8.0]
 
 
+@pytest.mark.multiprocess
 def test_runs_and_times_both_partitions():
     sets = ["model.preset=rembert", "model.num_hidden_layers=6", "model.vocab_size=32000",
             "data.seq_length=64", "train.micro_batch_size=2", "parallel.tp=1"]

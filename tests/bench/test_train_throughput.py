@@ -4,6 +4,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # Import the benchmark modules as a bare GPU image would: without the training stack.

@@ -88,6 +88,7 @@ def test_meta_without_a_section_is_one_clear_error(tmp_path):
         protocol.read_meta(folder)
 
 
+@pytest.mark.multiprocess
 def test_second_holder_refused_stale_lock_taken_over(tmp_path):
     with SaveDirLock(tmp_path / "run"):
         with pytest.raises(CheckpointError, match=rf"in use by pid {os.getpid()} on host "

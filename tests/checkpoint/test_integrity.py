@@ -7,10 +7,12 @@ import shutil
 
 import pytest
 
-from megatron_rembert.checkpoint.atomic import sha256_file
 from megatron_rembert.convert.__main__ import main
+from megatron_rembert.fs import sha256_file
 from tests.checkpoint.workers import integrity_worker
 from tests.distributed import run_distributed
+
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
 
 @pytest.fixture(scope="module")

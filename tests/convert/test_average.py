@@ -16,6 +16,8 @@ from tests.distributed import run_distributed
 from tests.model.helpers import random_batch
 from tests.training.helpers import SEQ, micro_batches, split_micro
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 TINY = {"preset": "tiny"}
 
 

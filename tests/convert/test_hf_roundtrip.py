@@ -73,6 +73,7 @@ def _load_into_module(model, folder):
     load_portable(Engine, folder, read_meta(folder))
 
 
+@pytest.mark.multiprocess
 def test_from_hf_loads_in_trainer_at_tp2_pp2(tmp_path):
     """Our pipeline trainer at tp=2 x pp=2 gives transformers' loss on the converted model."""
     from tests.convert.workers import eval_worker
@@ -119,8 +120,8 @@ def test_tokenizer_files_match_sentencepiece(tmp_path):
     import sentencepiece as spm
 
     from megatron_rembert.convert.tokenizer_files import write_tokenizer
-    from megatron_rembert.data.demo_corpus import make_demo_corpus
-    from megatron_rembert.data.tokenizer import train_tokenizer
+    from megatron_rembert.prep.demo_corpus import make_demo_corpus
+    from megatron_rembert.prep.tokenizer import train_tokenizer
 
     make_demo_corpus(tmp_path / "corpus", size_mb=0.1)
     train_tokenizer(tmp_path / "corpus", tmp_path / "spm", vocab_size=1000, num_threads=1)

@@ -6,6 +6,8 @@ from megatron_rembert.convert.__main__ import main
 from tests.convert.workers import overrides, train_worker
 from tests.distributed import run_distributed
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 TINY = {"preset": "tiny"}
 
 

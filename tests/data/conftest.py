@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_rembert.data.demo_corpus import make_demo_corpus
-from megatron_rembert.data.preprocess import PreprocessConfig, preprocess
 from megatron_rembert.data.shards import read_shard_batches
-from megatron_rembert.data.tokenizer import train_tokenizer
+from megatron_rembert.prep.demo_corpus import make_demo_corpus
+from megatron_rembert.prep.preprocess import PreprocessConfig, preprocess
+from megatron_rembert.prep.tokenizer import train_tokenizer
 
 SEQ = 64
 

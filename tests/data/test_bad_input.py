@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 
 from megatron_rembert.data.common import DataError
-from megatron_rembert.data.corpus import (
+from megatron_rembert.prep.corpus import (
     SkipStats,
     discover_corpus,
     iter_documents,
     iter_line_blocks,
 )
-from megatron_rembert.data.preprocess import preprocess
-from megatron_rembert.data.tokenizer import train_tokenizer
+from megatron_rembert.prep.preprocess import preprocess
+from megatron_rembert.prep.tokenizer import train_tokenizer
 from tests.data.conftest import small_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -162,6 +162,7 @@ def test_encodings_links_and_odd_names_are_read_or_skipped(tmp_path, tokenizer):
     assert m["languages"]["aa"]["documents"] == 6 and m["languages"]["bb"]["documents"] == 3
 
 
+@pytest.mark.multiprocess
 def test_tools_exit_2_on_bad_input(tmp_path, tokenizer):
     """docs/data.md: errors exit with code 2 and one line naming the path."""
     missing = str(tmp_path / "missing")

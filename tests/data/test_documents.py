@@ -9,8 +9,8 @@ import zlib
 
 import numpy as np
 
-from megatron_rembert.data import preprocess as pre
-from megatron_rembert.data.corpus import LineBlock, SkipStats, documents_in_block
+from megatron_rembert.prep import preprocess as pre
+from megatron_rembert.prep.corpus import LineBlock, SkipStats, documents_in_block
 from tests.data.conftest import small_config
 
 LIMIT = 40  # max_line_bytes: some blocks are shorter than it (no line can be too long), most not

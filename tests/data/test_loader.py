@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from megatron_rembert.data import shards
+from megatron_rembert.data.batch import FIELDS
 from megatron_rembert.data.common import DataError
 from megatron_rembert.data.config import DataConfig
 from megatron_rembert.data.loader import build_pretraining_loader, build_validation_loader
-from megatron_rembert.data.masking import BATCH_DTYPES
 from megatron_rembert.parallel.layout import Layout
 from tests.data.conftest import set_token, shard_entries
 
@@ -35,6 +35,7 @@ def _validation(data_dir, dp_rank):
                                         return_tensors="np"))
 
 
+@pytest.mark.multiprocess
 def test_ranks_split_the_global_batch_and_workers_do_not_matter(dataset):
     single = _take(dataset, 6, micro_batch_size=4)  # dp=1: 2 micro-batches of 4 per step
     ranks = [_take(dataset, 6, dp_rank=r, dp_size=2, num_workers=2 if r else 0)
@@ -63,7 +64,7 @@ def test_torch_batch_and_whole_word(dataset, tokenizer):
                       "masked_labels", "masked_weights", "unpadded"}
     assert b["unpadded"].tolist() == [int(b["attention_mask"].all())]
     assert {k: v.dtype for k, v in b.items()} == {
-        k: torch.from_numpy(np.zeros(0, dtype)).dtype for k, dtype in BATCH_DTYPES.items()}
+        k: torch.from_numpy(np.zeros(0, f.dtype)).dtype for k, f in FIELDS.items()}
     assert b["attention_mask"].dtype == torch.int64 and b["input_ids"].shape == (2, 64)
     assert b["masked_positions"].shape == (2, 16) and b["masked_weights"].sum() > 0
 

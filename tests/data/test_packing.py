@@ -3,7 +3,7 @@
 import numpy as np
 
 from megatron_rembert.data.common import SpecialIds
-from megatron_rembert.data.packing import Packer
+from megatron_rembert.prep.packing import Packer
 
 
 def _packer(carried: int, rng) -> Packer:

@@ -8,13 +8,14 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from megatron_rembert.data.common import SpecialIds
-from megatron_rembert.data.corpus import SkipStats, discover_corpus, iter_documents
-from megatron_rembert.data.demo_corpus import LANGUAGES
-from megatron_rembert.data.preprocess import is_valid_doc
 from megatron_rembert.data.shards import ShardDataset
-from megatron_rembert.data.tokenizer import load_sentencepiece
+from megatron_rembert.prep.corpus import SkipStats, discover_corpus, iter_documents
+from megatron_rembert.prep.demo_corpus import LANGUAGES
+from megatron_rembert.prep.preprocess import is_valid_doc
+from megatron_rembert.prep.tokenizer import load_sentencepiece
 from tests.data.conftest import SEQ
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,6 +68,7 @@ def test_round_trip(corpus, tokenizer, dataset):
                     assert sp.decode(piece) == docs[k]
 
 
+@pytest.mark.multiprocess
 def test_cli_end_to_end(tmp_path):
     """The thin scripts run as `python data_tools/X.py` and chain together."""
     def run(*args):
@@ -89,7 +91,7 @@ def test_cli_end_to_end(tmp_path):
 
 
 def test_packer_rows():
-    from megatron_rembert.data.packing import Packer
+    from megatron_rembert.prep.packing import Packer
 
     p = Packer(8, SpecialIds(), np.zeros(0, np.int32), np.zeros((0, 8), np.int32))
     p.add(np.arange(10, 23))  # 13 tokens: two full rows of 6, one token carried over
@@ -114,11 +116,11 @@ def test_packer_rows():
 def test_progress_bar_shows_elapsed_and_eta_in_a_log_file(monkeypatch, capsys):
     """Not a terminal (a SLURM log): one plain line per redraw, with elapsed time and the ETA
     from the mean rate so far."""
-    from megatron_rembert.data import common
+    from megatron_rembert.prep import progress
 
     now = [100.0]
-    monkeypatch.setattr(common.time, "monotonic", lambda: now[0])
-    bar = common.ProgressBar(total=4_000_000, label="preprocess")
+    monkeypatch.setattr(progress.time, "monotonic", lambda: now[0])
+    bar = progress.ProgressBar(total=4_000_000, label="preprocess")
     now[0] += 90.0  # a quarter of the bytes in 1.5 min: 4.5 min to go
     bar.update(1_000_000, force=True)
     line = capsys.readouterr().err

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rembert.checkpoint import atomic
-from megatron_rembert.data import common, shards
-from megatron_rembert.data import preprocess as preprocess_mod
+from megatron_rembert import fs
+from megatron_rembert.data import shards
 from megatron_rembert.data.common import DataError
-from megatron_rembert.data.preprocess import preprocess
+from megatron_rembert.prep import preprocess as preprocess_mod
+from megatron_rembert.prep.preprocess import preprocess
 from tests.data.conftest import small_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,13 +28,14 @@ def _shards(manifest: dict) -> list[tuple]:
 
 
 def _child(corpus, out, tokenizer) -> subprocess.Popen:
-    code = ("import sys; from megatron_rembert.data.preprocess import preprocess;"
+    code = ("import sys; from megatron_rembert.prep.preprocess import preprocess;"
             "from tests.data.conftest import small_config;"
             "preprocess(small_config(sys.argv[1], sys.argv[2], sys.argv[3]))")
     return subprocess.Popen([sys.executable, "-c", code, str(corpus), str(out), str(tokenizer)],
                             cwd=ROOT, stderr=subprocess.DEVNULL)
 
 
+@pytest.mark.multiprocess
 def test_kill_and_resume_gives_identical_shards(corpus, tokenizer, dataset, tmp_path):
     reference = json.loads((dataset / "manifest.json").read_text())
     out = tmp_path / "out"
@@ -80,7 +81,7 @@ def test_kill_between_any_two_writes_gives_identical_shards(corpus, tokenizer, t
         return small_config(corpus, out, tokenizer, languages=langs, workers=0)
 
     reference = preprocess(cfg(tmp_path / "ref"))
-    real_write = common.atomic_write
+    real_write = fs.atomic_write
     writes: list[str] = []
     kill_at = [0]  # 1-based index of the write that is interrupted; 0: none
 
@@ -95,7 +96,7 @@ def test_kill_between_any_two_writes_gives_identical_shards(corpus, tokenizer, t
         if len(writes) == kill_at[0]:
             raise _Killed
 
-    for module in (atomic, common, shards, preprocess_mod):  # atomic: atomic_write_json's
+    for module in (fs, shards, preprocess_mod):  # fs: atomic_write_json's
         monkeypatch.setattr(module, "atomic_write", write)
     preprocess(cfg(tmp_path / "count"))
     names = list(writes)
@@ -143,28 +144,22 @@ def test_other_settings_need_overwrite(corpus, tokenizer, tmp_path):
 
 def test_full_disk_is_one_line_and_a_rerun_resumes(corpus, tokenizer, tmp_path, monkeypatch,
                                                    capsys):
-    """A full disk in the middle of preprocessing: data_tools/preprocess.py prints one `error:`
+    """A full disk in the middle of preprocessing: the preprocess command prints one `error:`
     line naming the file (exit 1, no traceback); the same command rerun finishes with exactly
     the dataset of an uninterrupted run."""
     import errno
-    import importlib.util
 
-    sys.path.insert(0, str(ROOT / "data_tools"))  # the tool's own `import _path`
-    spec = importlib.util.spec_from_file_location("_preprocess_tool",
-                                                  ROOT / "data_tools" / "preprocess.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    from megatron_rembert.prep.commands import preprocess as tool
 
-    def run(out):
-        argv = ["preprocess.py", "--corpus", str(corpus), "--tokenizer", str(tokenizer),
-                "--out", str(out), "--seq-length", "64", "--workers", "0",
-                "--shard-size-mb", "0.02", "--languages", "cyrl", "grek", "--no-progress"]
-        monkeypatch.setattr(sys, "argv", argv)
-        tool.main()
+    def run(out) -> int:
+        return tool(["--corpus", str(corpus), "--tokenizer", str(tokenizer),
+                          "--out", str(out), "--seq-length", "64", "--workers", "0",
+                          "--shard-size-mb", "0.02", "--languages", "cyrl", "grek",
+                          "--no-progress"])
 
-    run(tmp_path / "ref")
+    assert run(tmp_path / "ref") == 0
     reference = json.loads((tmp_path / "ref" / "manifest.json").read_text())
-    real_write, writes = common.atomic_write, []
+    real_write, writes = fs.atomic_write, []
 
     def write(path, fn, binary=True):
         writes.append(path)
@@ -172,16 +167,14 @@ def test_full_disk_is_one_line_and_a_rerun_resumes(corpus, tokenizer, tmp_path, 
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         real_write(path, fn, binary)
 
-    for module in (common, shards, preprocess_mod):
+    for module in (fs, shards, preprocess_mod):
         monkeypatch.setattr(module, "atomic_write", write)
     capsys.readouterr()
-    with pytest.raises(SystemExit) as done:
-        run(tmp_path / "out")
+    assert run(tmp_path / "out") == 1
     err = capsys.readouterr().err
-    assert done.value.code == 1
     assert err.count("error:") == 1 and "Traceback" not in err, err
     assert f"{writes[3]}: No space left on device" in err, err
-    for module in (common, shards, preprocess_mod):
+    for module in (fs, shards, preprocess_mod):
         monkeypatch.setattr(module, "atomic_write", real_write)
-    run(tmp_path / "out")
+    assert run(tmp_path / "out") == 0
     assert json.loads((tmp_path / "out" / "manifest.json").read_text()) == reference

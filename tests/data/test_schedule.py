@@ -131,7 +131,7 @@ def test_validation_set_is_stratified_and_layout_free(dataset):
 
 def test_sampling_report_by_phase(dataset, tmp_path):
     from megatron_rembert.data.common import DataError
-    from megatron_rembert.data.inspection import config_sampling_table
+    from megatron_rembert.prep.inspection import config_sampling_table
 
     config = tmp_path / "run.yaml"
     config.write_text("data: {phase_starts: [0.0, 0.5], phase_alpha: [1.0, 0.0], "

@@ -10,8 +10,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from megatron_rembert.data.common import sha256_file
 from megatron_rembert.data.shards import ShardDataset, open_shard, read_shard_batches
+from megatron_rembert.fs import sha256_file
 from tests.data.conftest import SEQ, shard_entries
 
 

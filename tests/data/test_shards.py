@@ -11,9 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_rembert.data.common import DataError, sha256_file
-from megatron_rembert.data.inspection import verify
+from megatron_rembert.data.common import DataError
 from megatron_rembert.data.shards import ShardDataset, write_shard
+from megatron_rembert.fs import sha256_file
+from megatron_rembert.prep.inspection import verify
 from tests.data.conftest import set_token, shard_entries
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,6 +57,7 @@ def test_truncated_shard_names_file(copy):
         ShardDataset(copy)
 
 
+@pytest.mark.multiprocess
 def test_modified_shard_found_by_checksum(copy):
     shard = _first_shard(copy)
     data = bytearray(shard.read_bytes())

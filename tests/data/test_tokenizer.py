@@ -4,8 +4,8 @@ datasets and checkpoints, so the same corpus and settings must give the same byt
 import pytest
 
 from megatron_rembert.data.common import DataError
-from megatron_rembert.data.demo_corpus import make_demo_corpus
-from megatron_rembert.data.tokenizer import train_tokenizer
+from megatron_rembert.prep.demo_corpus import make_demo_corpus
+from megatron_rembert.prep.tokenizer import train_tokenizer
 
 
 @pytest.fixture(scope="module")

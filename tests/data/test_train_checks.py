@@ -17,6 +17,8 @@ from tests.data.conftest import shard_entries
 from tests.data.test_loader import flip_one_token_per_shard
 from tests.distributed import free_port
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from megatron_rembert.data.preprocess import preprocess
+from megatron_rembert.prep.preprocess import preprocess
 from tests.data.conftest import small_config
 
 
@@ -29,8 +29,8 @@ def test_workers_and_block_size_do_not_change_the_train_shards(corpus, tokenizer
 def test_both_encoders_give_sentencepiece_ids(tokenizer):
     """The worker's joined-buffer encoder (private SentencePiece method, probed at start-up) and
     its fallback over Python ints both equal the public `sp.encode`, flattened."""
-    from megatron_rembert.data import preprocess as pre
-    from megatron_rembert.data.tokenizer import load_sentencepiece
+    from megatron_rembert.prep import preprocess as pre
+    from megatron_rembert.prep.tokenizer import load_sentencepiece
 
     sp = load_sentencepiece(tokenizer)
     texts = ["da kepuga muhebova ha votuzu.", "", "на зату мятипо фы дыли шесу.", "x" * 300]

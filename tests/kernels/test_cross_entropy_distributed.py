@@ -12,6 +12,8 @@ from megatron_rembert.kernels.cross_entropy import linear_cross_entropy
 from tests.distributed import run_distributed
 from tests.kernels.ce_oracle import TOL, full_logits_reference, make_inputs
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 N, E = 13, 16
 
 

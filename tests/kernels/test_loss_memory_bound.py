@@ -16,6 +16,8 @@ from types import ModuleType
 
 import pytest
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 ROOT = Path(__file__).resolve().parents[2]
 
 BUDGET = 2**20

@@ -57,6 +57,7 @@ def _streams() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.get_rng_state(), tp_random._tp_states["cpu"].clone()
 
 
+@pytest.mark.multiprocess  # inductor compiles in worker processes
 @pytest.mark.parametrize("dtype, rel", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)],
                          ids=["fp32", "bf16"])
 @pytest.mark.parametrize("unpadded", [True, False], ids=["flash-path", "masked"])
@@ -70,6 +71,7 @@ def test_compiled_layers_equal_eager(dtype, rel, unpadded):
     _assert_grads_close(grads_c, grads, rel)
 
 
+@pytest.mark.multiprocess  # inductor compiles in worker processes
 @pytest.mark.parametrize("backend", ["sdpa", "fused_softmax"])
 def test_compiled_dropout_draws_eager_masks(backend):
     """Hidden dropout (default stream) and attention dropout (this rank's TP stream) under
@@ -91,6 +93,7 @@ def test_compiled_dropout_draws_eager_masks(backend):
     assert losses != pytest.approx(undropped, rel=1e-3)  # the dropout did drop
 
 
+@pytest.mark.multiprocess  # inductor compiles in worker processes
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_activation_checkpointing_replays_dropout(compiled):
     """Each layer recomputed in backward (torch's non-reentrant checkpoint, around the compiled
@@ -114,6 +117,7 @@ def test_activation_checkpointing_replays_dropout(compiled):
     assert all(torch.equal(a, b) for a, b in zip(streams_c, streams, strict=True))
 
 
+@pytest.mark.multiprocess  # inductor compiles in worker processes
 def test_layers_share_one_graph_per_attention_path():
     """All layers reuse one compiled graph per attention path (dynamo treats their parameters
     as inputs): a graph per layer would pass dynamo's recompile limit (8) and leave the later
@@ -131,6 +135,7 @@ def test_layers_share_one_graph_per_attention_path():
     assert not counters["unimplemented"], list(counters["unimplemented"])  # e.g. the limit
 
 
+@pytest.mark.multiprocess  # inductor compiles in worker processes
 def test_one_graph_without_break():
     """dynamo's own account of one layer: one graph, no break, on both attention paths."""
     model = _model(get_preset("tiny").replace(**DROPOUT))

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_rembert.data.loader import unpadded_flag
+from megatron_rembert.data.batch import check_micro_batch, unpadded_flag
 from megatron_rembert.model.pipeline import (
     pipeline_inputs,
     pipeline_layer_builders,
@@ -13,7 +13,6 @@ from megatron_rembert.model.pipeline import (
 )
 from megatron_rembert.model.rembert import RemBertForPreTraining
 from megatron_rembert.parallel.layers import init_weights
-from megatron_rembert.training.engine import check_micro_batch
 from tests.model.helpers import random_batch, small_config
 
 

@@ -88,6 +88,7 @@ def _flops(bounds, i, flops):
     return sum(flops[bounds[i]:bounds[i + 1]])
 
 
+@pytest.mark.multiprocess
 def test_memory_cap_moves_layers_off_the_first_stage():
     config, layout = _rembert(2)
     free = stage_plan(config, layout)

@@ -1,11 +1,14 @@
 """Dropout streams under TP: shared for replicated activations, per rank for sharded ones."""
 
+import pytest
 import torch
 
 from megatron_rembert.parallel import random as tp_random
 from megatron_rembert.parallel import state
 from megatron_rembert.parallel.layout import Layout
 from tests.distributed import run_distributed
+
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
 
 def _draws(rank, world_size):

@@ -12,6 +12,8 @@ from megatron_rembert.parallel.mappings import ALL_REDUCE_COUNTS
 from tests.distributed import run_distributed
 from tests.model.helpers import random_batch, small_config
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 SEED = 1234
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_rembert.data.demo_corpus import make_demo_corpus
-from megatron_rembert.data.preprocess import PreprocessConfig, preprocess
-from megatron_rembert.data.tokenizer import train_tokenizer
+from megatron_rembert.prep.demo_corpus import make_demo_corpus
+from megatron_rembert.prep.preprocess import PreprocessConfig, preprocess
+from megatron_rembert.prep.tokenizer import train_tokenizer
 from tests.slurm.cluster import slurm_env
 
 

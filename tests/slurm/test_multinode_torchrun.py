@@ -7,8 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.distributed import free_port
 from tests.slurm.cluster import REPO, assert_same_losses, read_metrics, train_overrides
+
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
 STEPS = 8
 TIMEOUT = 240

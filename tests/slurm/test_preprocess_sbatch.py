@@ -12,6 +12,8 @@ import pytest
 
 from tests.slurm.cluster import REPO, cancel, poll, sbatch, wait_job
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 TIMEOUT = 180
 
 

@@ -26,6 +26,8 @@ from tests.slurm.cluster import (
     wait_job,
 )
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 STEPS = 50
 JOB_TIMEOUT = 240  # seconds; a run takes ~30 s of start-up and a few seconds of steps
 

@@ -11,9 +11,9 @@ SEQ = 32
 @pytest.fixture(scope="session")
 def tiny_dataset(tmp_path_factory) -> tuple[Path, Path]:
     """(dataset folder, tokenizer .model) for configs/tiny.yaml with data.seq_length=32."""
-    from megatron_rembert.data.demo_corpus import make_demo_corpus
-    from megatron_rembert.data.preprocess import PreprocessConfig, preprocess
-    from megatron_rembert.data.tokenizer import train_tokenizer
+    from megatron_rembert.prep.demo_corpus import make_demo_corpus
+    from megatron_rembert.prep.preprocess import PreprocessConfig, preprocess
+    from megatron_rembert.prep.tokenizer import train_tokenizer
 
     root = tmp_path_factory.mktemp("tiny_dataset")
     make_demo_corpus(root / "corpus", size_mb=0.3)

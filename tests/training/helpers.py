@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rembert.data.loader import unpadded_flag
+from megatron_rembert.data.batch import unpadded_flag
 
 SEQ, PREDICTIONS = 16, 4
 

@@ -160,6 +160,7 @@ def test_latest_pointing_at_incomplete_checkpoint(tmp_path):
     assert find_latest(tmp_path / "empty") is None
 
 
+@pytest.mark.multiprocess
 def test_cli_dry_run_and_errors():
     run = subprocess.run([sys.executable, "train.py", "--config", "configs/rembert.yaml",
                           "--dry-run", "--world-size", "64"], cwd=ROOT, capture_output=True,

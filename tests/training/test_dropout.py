@@ -16,6 +16,8 @@ import torch
 from tests.distributed import run_distributed
 from tests.training.production import as_sets, data_overrides
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 DROPOUT = {"model.hidden_dropout_prob": 0.1, "model.attention_probs_dropout_prob": 0.1,
            "parallel.tp": 2, "parallel.pp": 2, "model.num_hidden_layers": 2}
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-import train
+from megatron_rembert import train
 from megatron_rembert.config import ConfigError
 from megatron_rembert.training.optim import OWNED_DS_KEYS, load_ds_config
 

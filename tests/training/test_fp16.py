@@ -7,11 +7,14 @@ and the tests let DeepSpeed use it (`allow_cpu_fp16`).
 
 import json
 
+import pytest
 import torch
 
 from tests.distributed import run_distributed
 from tests.training.helpers import allow_cpu_fp16
 from tests.training.test_loop import losses, overrides
+
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
 
 def _train_fp16(rank, world_size, sets):

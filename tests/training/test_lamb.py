@@ -72,6 +72,7 @@ def _reference(precision):
     return _REFERENCE[precision]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("tp, pp, dp, zero, precision, rel, moved_rel", [
     # Against one process with plain per-tensor LAMB (fp32, no ZeRO):
     (2, 1, 2, 2, "fp32", 1e-4, 1e-4),  # ZeRO-2
@@ -110,6 +111,7 @@ def _is_matrix(name: str) -> bool:
     return name.endswith("weight") and "norm" not in name
 
 
+@pytest.mark.multiprocess
 def test_lamb_is_not_adamw(layout_reference):
     """The layout runs above would also agree if Lamb were AdamW: it is not."""
     lamb = _reference("fp32")[0]

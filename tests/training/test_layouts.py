@@ -5,6 +5,8 @@ import pytest
 from tests.distributed import run_distributed
 from tests.training.helpers import STEPS, layout_overrides, train_worker
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 
 # Without recomputation, tp2 x pp2 x dp2 and the shipped JSONs run through train.py's loop in
 # test_production_path.py; these are the layouts it does not cover.

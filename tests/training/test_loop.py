@@ -18,6 +18,8 @@ import pytest
 from tests.distributed import run_distributed
 from tests.training.conftest import SEQ
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 STEPS = 6
 SCHEDULES = {"data.phase_starts": [0.0, 0.5], "data.phase_alpha": [1.0, 0.3],
              "data.phase_mask_prob": [0.3, 0.1], "data.mask_schedule": "linear",

@@ -99,7 +99,7 @@ def test_wandb_offline_run_written_into_log_dir(tmp_path, monkeypatch):
 
 
 def test_wandb_project_without_wandb_is_refused_before_start(monkeypatch, capsys):
-    import train
+    from megatron_rembert import train
 
     monkeypatch.setitem(sys.modules, "wandb", None)
     code = train.main(["--config", str(ROOT / "configs/tiny.yaml"), "--dry-run",

@@ -156,12 +156,14 @@ def test_every_shipped_json_is_covered():
     assert set(JSONS) == {p.name for p in (ROOT / "ds_configs").glob("*.json")}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("js, layout", CASES, ids=[f"{j}-{la}" for j, la in CASES])
 def test_shipped_json_trains_like_plain_torch(js, layout, json_runs):
     runs, reference = json_runs
     check_against_reference(runs.get(f"{js}/{layout}"), reference, JSONS[js][0])
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("js, layout", COMPILED, ids=[f"{j}-{la}" for j, la in COMPILED])
 def test_compiled_layers_train_like_plain_torch(js, layout, json_runs):
     """model.compile through train.py's loop: against the eager fp32 reference as every case,
@@ -172,6 +174,7 @@ def test_compiled_layers_train_like_plain_torch(js, layout, json_runs):
     assert compiled.losses == pytest.approx(eager.losses, rel=TOLERANCE[JSONS[js][0]][0])
 
 
+@pytest.mark.multiprocess
 def test_validation_does_not_depend_on_the_layout(json_runs):
     """tp2 x pp2 x dp2 evaluates the sequences and masks one process evaluates: per language
     the same masked tokens, and the same loss within bf16's tolerance."""
@@ -193,6 +196,7 @@ def test_pipeline_with_zero2_is_refused():
         validate_config(config, 2)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", [str(p.relative_to(ROOT / "configs")) for p in _config_files()])
 def test_shipped_config_trains_like_plain_torch(name, config_runs):
     runs, references = config_runs

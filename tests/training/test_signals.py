@@ -6,7 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.training.conftest import SEQ
+
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -15,8 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # while the model is built.
 DRIVER = """
 import os, signal, sys
-sys.path.insert(0, {root!r})
-import train
+from megatron_rembert import train
 from megatron_rembert.training import engine, loop, signals
 
 plan = {plan!r}
@@ -60,7 +63,7 @@ def _run(tmp: Path, tiny_dataset, plan: dict, **sets) -> subprocess.CompletedPro
     args = ["--config", "configs/tiny.yaml"]
     for key, value in values.items():
         args += ["--set", f"{key}={value}"]
-    run = subprocess.run([sys.executable, "-c", DRIVER.format(root=str(ROOT), plan=plan), *args],
+    run = subprocess.run([sys.executable, "-c", DRIVER.format(plan=plan), *args],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert "Traceback" not in run.stderr and "KeyboardInterrupt" not in run.stderr, run.stderr
     return run

@@ -7,11 +7,13 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_rembert.data.common import DataError, format_table, sha256_file
+from megatron_rembert.cli import format_table
+from megatron_rembert.data.common import DataError
 from megatron_rembert.data.config import DataConfig
 from megatron_rembert.data.sampler import MultilingualSampler, language_weights
 from megatron_rembert.data.schedule import Schedule
 from megatron_rembert.data.shards import MANIFEST, ShardDataset, open_shard, read_manifest
+from megatron_rembert.fs import sha256_file
 
 
 def summary_table(manifest: dict, alpha: float = 0.5) -> str:
@@ -111,7 +113,7 @@ def verify(data_dir: str | os.PathLike, tokenizer: str | os.PathLike | None = No
 def decode_samples(data_dir: str | os.PathLike, tokenizer: str | os.PathLike, n: int,
                    split: str = "train", seed: int = 0) -> list[tuple[str, str]]:
     """n rows picked at random (fixed seed) decoded back to text: [(language, text)]."""
-    from megatron_rembert.data.tokenizer import load_sentencepiece
+    from megatron_rembert.prep.tokenizer import load_sentencepiece
 
     sp = load_sentencepiece(tokenizer)
     ds = ShardDataset(data_dir, split, tokenizer_sha256=sha256_file(tokenizer))

@@ -1,6 +1,8 @@
-"""Writing files so that a kill never leaves half of one, and hashing them while writing.
+"""The file system, for every package: atomic writes, sha256 while writing or of a file, and
+the checks of an output folder before any work.
 
-Torch-free on purpose: the data tools' worker processes import it too.
+The ground floor: torch-free and importing nothing of the package, so that the data tools, the
+checkpoints, training and the converters share one implementation of each.
 """
 
 from __future__ import annotations
@@ -8,11 +10,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 
+# -- writing so that a kill never leaves half of a file ----------------------------------------
 def fsync_dir(path: Path) -> None:
     # A rename is durable only once the directory entry is on disk.
     try:
@@ -48,6 +52,7 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
     atomic_write(path, lambda f: json.dump(obj, f, indent=1, sort_keys=True), binary=False)
 
 
+# -- hashing -----------------------------------------------------------------------------------
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -97,3 +102,36 @@ class HashingFile:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# -- output folders, checked before any work ---------------------------------------------------
+def unwritable_reason(path: str | os.PathLike) -> str | None:
+    """Why files could not be written in the folder `path` (made if missing), or None.
+
+    The nearest existing ancestor must be a folder, and a probe file is created and removed
+    there: a real write, since `os.access` says yes to root on a read-only file system.
+    """
+    existing = Path(path)
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a file, not a folder"
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".write-test-", dir=existing)
+    except OSError as err:
+        return f"cannot write in {existing} ({err.strerror})"
+    os.close(handle)
+    os.remove(probe)
+    return None
+
+
+def is_inside(path: str | os.PathLike, folder: str | os.PathLike) -> bool:
+    """`path` is `folder` or lies under it (symlinks resolved)."""
+    path, folder = Path(path).resolve(), Path(folder).resolve()
+    return path == folder or folder in path.parents
+
+
+def write_failure(err: OSError) -> str:
+    """One line for a file-system failure while writing (full disk, read-only, lost mount)."""
+    where = f"{err.filename}: " if err.filename else ""
+    return f"{where}{err.strerror or err}"

@@ -17,22 +17,16 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_rembert.data.common import (
-    SPECIAL_PIECES,
-    DataError,
-    SpecialIds,
-    atomic_write,
-    atomic_write_json,
-    sha256_file,
-)
-from megatron_rembert.data.corpus import (
+from megatron_rembert.data.common import SPECIAL_PIECES, DataError, SpecialIds
+from megatron_rembert.data.sampler import language_weights
+from megatron_rembert.fs import atomic_write, atomic_write_json, sha256_file
+from megatron_rembert.prep.corpus import (
     DEFAULT_MAX_LINE_BYTES,
     SkipStats,
     chunk_text,
     discover_corpus,
     iter_documents,
 )
-from megatron_rembert.data.sampler import language_weights
 
 WORD_START = "\u2581"  # SentencePiece's word-boundary marker
 TRAIN_CHUNK_CHARS = 1000  # SentencePiece drops "sentences" over max_sentence_length bytes

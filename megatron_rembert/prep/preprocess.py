@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import re
 import shutil
 import zlib
@@ -41,23 +42,20 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_rembert.data import corpus as corpus_mod
-from megatron_rembert.data.common import (
-    DataError,
-    ProgressBar,
-    Ready,
-    SpecialIds,
-    atomic_write,
-    atomic_write_json,
-    ordered_map,
-    sha256_file,
-    usable_cpus,
-)
-from megatron_rembert.data.packing import Packer
+from megatron_rembert.data.common import DataError, Ready, SpecialIds, ordered_map
 from megatron_rembert.data.shards import MANIFEST, SCHEMA_VERSION, WORD_STARTS, write_shard
-from megatron_rembert.data.tokenizer import check_special_ids, load_sentencepiece, word_start_table
+from megatron_rembert.fs import atomic_write, atomic_write_json, sha256_file
+from megatron_rembert.prep import corpus as corpus_mod
+from megatron_rembert.prep.packing import Packer
+from megatron_rembert.prep.progress import ProgressBar
+from megatron_rembert.prep.tokenizer import check_special_ids, load_sentencepiece, word_start_table
 
 _COUNTED = ("blank_lines", "bad_utf8_lines", "long_lines", "bad_json_lines")
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (a SLURM job's share, not the whole node)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 @dataclass

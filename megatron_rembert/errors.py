@@ -1,0 +1,14 @@
+"""The one base type of the errors a user can fix, on the ground floor so every package can
+derive its own from it.
+
+`ConfigError` (config.py), `DataError` (data/common.py), `CheckpointError` (checkpoint/),
+`ConvertError` (convert/files.py) and `PlotError` (plot.py) are `UserError`s: bad settings or
+input, whose message names the key, flag or file and says how to fix it. Every entry point
+prints one as a single `error: ...` line and exits 2 (`cli.run_cli`). They are not
+`RuntimeError`s or `ValueError`s, so that nothing that catches those (or classifies them, as
+`training.hang.is_collective_failure` does torch's) can take a user error for something else.
+"""
+
+
+class UserError(Exception):
+    """Bad settings or input; the message names what was wrong and how to fix it."""
