@@ -6,7 +6,10 @@ import argparse
 import importlib.util
 from pathlib import Path
 
+import pytest
 import torch
+
+pytestmark = pytest.mark.multiprocess  # every test spawns processes
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -15,6 +15,8 @@ from tests.distributed import run_distributed
 from tests.model.helpers import random_batch, small_config
 from tests.parallel.test_tensor_parallel import SEED, train_step
 
+pytestmark = pytest.mark.multiprocess  # every test spawns processes
+
 DROPOUT = dict(hidden_dropout_prob=0.2, attention_probs_dropout_prob=0.2)
 
 

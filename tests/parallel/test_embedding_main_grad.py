@@ -75,6 +75,7 @@ def _tp_worker(rank, world_size):
     return main_grad, dense is None
 
 
+@pytest.mark.multiprocess
 def test_tensor_parallel_shards_equal_the_single_process_gradient():
     (shard0, none0), (shard1, none1) = run_distributed(_tp_worker, 2)
     assert none0 and none1

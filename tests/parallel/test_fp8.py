@@ -212,6 +212,7 @@ def _tp_worker(rank, world_size, config, batch):
 ZERO_GRADIENT = ".attention.key.bias"
 
 
+@pytest.mark.multiprocess
 def test_tp2_model_quantises_as_one_process():
     """Each shard scaled on its own (power-of-two scales): tp = 2 rounds every GEMM operand
     as tp = 1 does, so loss and gradients agree to fp32's rounding of the split sums, far
@@ -280,6 +281,7 @@ def _layer_worker(rank, world_size, kind, operands):
         state.destroy_model_parallel()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("kind", [ColumnParallelLinear, RowParallelLinear])
 def test_tp2_layer_with_uneven_shards_quantises_as_one_process(kind):
     """The case where per-shard scales differ most from the whole tensor's (8x and 32x):
@@ -308,6 +310,7 @@ def _count_worker(rank, world_size, config):
     return forward, backward
 
 
+@pytest.mark.multiprocess
 def test_fp8_adds_no_collective():
     """The communication plan under fp8 is bf16's: one all-reduce per block each way."""
     forward, backward = run_distributed(_count_worker, 2, fp8_config())[0]
@@ -316,6 +319,7 @@ def test_fp8_adds_no_collective():
 
 
 # -- model.compile ---------------------------------------------------------------------------
+@pytest.mark.multiprocess
 def test_compiled_layers_equal_eager_layers():
     """model.compile with fp8: the fp8 GEMMs run outside the compiled graphs, the rest of each
     layer inside; in fp32 both agree to rounding (fp8 quantisation snaps the tiny differences

@@ -18,6 +18,8 @@ from megatron_rembert.run_config import load_config, validate_config
 from tests.distributed import run_distributed
 from tests.training.production import as_sets, data_overrides, merge_ranks, run_train
 
+pytestmark = pytest.mark.multiprocess  # every test spawns processes
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.yaml"
 # A small model whose GEMM dimensions are multiples of 16 at tp 1 and 2 (tiny's 48 / 2 are not).
