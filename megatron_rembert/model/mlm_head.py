@@ -51,6 +51,8 @@ class MLMHead(nn.Module):
         super().__init__()
         e_out = config.output_embedding_size
         self.loss_backend = config.loss_backend
+        self.loss_chunk_rows = config.loss_chunk_rows or None  # 0: the device's default
+        self.loss_keep_logits_gib = config.loss_keep_logits_gib
         self.dense = nn.Linear(config.hidden_size, e_out)
         self.layer_norm = nn.LayerNorm(e_out, eps=config.layer_norm_eps)
         self.decoder = VocabParallelOutput(config.padded_vocab_size(state.tp_size()), e_out,
@@ -70,17 +72,20 @@ class MLMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
                 ) -> MLMLoss:
-        """hidden: N x H at masked positions; labels: N global ids; weights: N (0 = padding)."""
+        """hidden: N x H at masked positions; labels: N global ids; weights: N (0 = padding,
+        any label). Runs at static shapes: no host sync."""
         weights = weights.float()
         x = copy_to_tp(self.transform(hidden))  # N x E_out; each shard adds its grad part
         dec = self.decoder
         if self.loss_backend == "fused":
             losses, correct = fused_vocab_parallel_linear_cross_entropy(
-                x, dec.weight, dec.bias, labels, weights, dec.vocab_start, dec.n_valid)
+                x, dec.weight, dec.bias, labels, weights, dec.vocab_start, dec.n_valid,
+                self.loss_chunk_rows, self.loss_keep_logits_gib)
         else:
             logits = F.linear(x, dec.weight, dec.bias)  # N x V_local
-            losses, correct = vocab_parallel_cross_entropy(logits, labels, dec.vocab_start,
-                                                           dec.n_valid)
-        real = weights > 0
+            losses, correct = vocab_parallel_cross_entropy(logits, labels, weights,
+                                                           dec.vocab_start, dec.n_valid)
+        # both losses are 0 and never correct at weight-0 rows (masked inside, whatever the
+        # label): no mask here, and no op whose shape depends on the data
         return MLMLoss(loss_sum=(losses * weights).sum(), num_tokens=weights.sum(),
-                       num_correct=(correct & real).sum())
+                       num_correct=correct.sum())
