@@ -47,11 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from megatron_rembert.config import get_preset  # noqa: E402
 from megatron_rembert.kernels.cross_entropy import linear_cross_entropy  # noqa: E402
-from megatron_rembert.kernels.cross_entropy_tiling import (  # noqa: E402
-    choose_tiling,
-    kept_rows,
-    row_chunks,
-)
+from megatron_rembert.kernels.cross_entropy_tiling import recomputed_rows  # noqa: E402
 from megatron_rembert.kernels.softmax import (  # noqa: E402
     fused_scale_mask_softmax,
     softmax_backward_torch,
@@ -268,8 +264,7 @@ def head_flops(n: int, h: int, e: int, v_local: int, rows: int, keep_gib: float,
                itemsize: int, cuda: bool) -> float:
     """Matmul FLOPs the head + fused loss execute, forward + backward: the dense layer 3x, the
     vocabulary projection 3x plus the recomputed rows' logits (kept rows skip them)."""
-    forward = row_chunks(0, n, choose_tiling(v_local, e, rows or None, cuda=cuda).forward_rows)
-    recomputed = n - kept_rows(forward, v_local, itemsize, keep_gib)
+    recomputed = recomputed_rows(n, v_local, e, itemsize, keep_gib, rows or None, cuda)
     return 3 * 2 * n * h * e + 2 * e * v_local * (3 * n + recomputed)
 
 

@@ -89,3 +89,11 @@ def kept_rows(chunks: list[slice], v_local: int, itemsize: int, keep_logits_gib:
             break
         rows = chunk.stop
     return rows
+
+
+def recomputed_rows(n: int, v_local: int, e: int, itemsize: int, keep_logits_gib: float,
+                    chunk_size: int | None = None, cuda: bool = False) -> int:
+    """Of n rows, how many the backward recomputes the logits of (the others were kept): for
+    FLOP models (each recomputed row costs one more 2 x E x V_local forward GEMM row)."""
+    forward = row_chunks(0, n, choose_tiling(v_local, e, chunk_size, cuda=cuda).forward_rows)
+    return n - kept_rows(forward, v_local, itemsize, keep_logits_gib)
