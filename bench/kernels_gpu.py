@@ -11,7 +11,8 @@ Checks, for every dtype of --dtype (default fp32 and bf16), each printed PASS or
            against eager torch.softmax: probabilities and the input gradient, 4 shapes;
   loss     the Triton path against the torch reference path (the same matmuls, so this
            isolates the kernels) and against F.cross_entropy on the full fp32 logits: losses,
-           grad hidden / weight / bias, and the `correct` flags (exact); on the --rows x
+           grad hidden / weight / bias, and the `correct` flags (exact); with half the
+           logits kept for backward against F.cross_entropy too; on the --rows x
            --vocab problem and on a small one with padding columns, weight-0 rows and rows
            longer than one 4096-column tile.
 The error of a tensor is max|ours - ref| / max|ref|, against TOLERANCE[dtype]. The exit
@@ -165,9 +166,9 @@ def check_loss(dtype: torch.dtype, n: int, v: int, n_valid: int, e: int, zero_fr
     tgt = torch.randint(0, n_valid, (n,), device=DEVICE, generator=gen)  # N
     wts = (torch.rand(n, device=DEVICE, generator=gen) >= zero_frac).float()  # N, 0 or 1
 
-    def op(h, w, b, backend=BACKEND):  # noqa: ANN001, ANN202
+    def op(h, w, b, backend=BACKEND, chunk=None, keep=0.0):  # noqa: ANN001, ANN202
         return linear_cross_entropy(h, w, b, tgt, wts, vocab_start=0, n_valid=n_valid,
-                                    backend=backend)
+                                    chunk_size=chunk, keep_logits_gib=keep, backend=backend)
 
     def eager(h, w, b):  # noqa: ANN001, ANN202
         logits = torch.addmm(b, h, w.t())[:, :n_valid].float()  # N x n_valid
@@ -177,7 +178,13 @@ def check_loss(dtype: torch.dtype, n: int, v: int, n_valid: int, e: int, zero_fr
     got = outputs_and_grads(op, inputs)
     checks.close(f"{name} vs torch reference", got,
                  outputs_and_grads(lambda **i: op(**i, backend="torch"), inputs), dtype)
-    checks.close(f"{name} vs F.cross_entropy", got, outputs_and_grads(eager, inputs), dtype)
+    want = outputs_and_grads(eager, inputs)
+    checks.close(f"{name} vs F.cross_entropy", got, want, dtype)
+    # 4 chunks, room for half the rows' logits: backward reads the first chunks' kept logits
+    # (strided views) and recomputes the others
+    half = n / 2 * v * dtype.itemsize / 2**30
+    kept = outputs_and_grads(lambda **i: op(**i, chunk=-(-n // 4), keep=half), inputs)
+    checks.close(f"{name} half the logits kept vs F.cross_entropy", kept, want, dtype)
     with torch.no_grad():
         same = torch.equal(op(**inputs)[1], op(**inputs, backend="torch")[1])
     checks.record(f"{name} correct flags equal the torch reference", same, "exact")
