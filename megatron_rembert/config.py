@@ -77,9 +77,18 @@ class ModelConfig:
     tie_embeddings: bool = False
     # "sdpa" (torch.nn.functional.scaled_dot_product_attention) or "fused_softmax" (Triton).
     attention_backend: str = "sdpa"
-    # MLM loss: "fused" (chunked linear + cross-entropy, never holds all logits) or
-    # "reference" (logits for all masked tokens, then a vocab-parallel cross-entropy).
+    # MLM loss: "fused" (chunked linear + cross-entropy, holds logits only within
+    # loss_keep_logits_gib) or "reference" (logits for all masked tokens, then a
+    # vocab-parallel cross-entropy).
     loss_backend: str = "fused"
+    # Fused loss: most rows per chunk of the output projection (0 = the device's default:
+    # logits tiles of up to 2^29 elements on CUDA, 2,144 rows at a 250k vocabulary shard; 2^25
+    # on CPU, 128 rows). Rows are split into equal chunks; see docs/kernels.md.
+    loss_chunk_rows: int = 0
+    # Fused loss: GiB of forward logits kept for backward, which then skips recomputing them
+    # (3 GEMMs of the vocabulary projection instead of 4); chunks beyond it are recomputed.
+    # rembert's 16 x 77 masked rows take 0.57 GiB in bf16 at tp 1. 0 = recompute all.
+    loss_keep_logits_gib: float = 1.0
     # torch.compile each Transformer layer (one graph for all layers; the embeddings and the
     # head stay eager): true, false, or auto (compiled on CUDA, eager on CPU).
     compile: bool | str = "auto"
@@ -146,7 +155,8 @@ class ModelConfig:
 
 # Fields that choose how the model is computed, not what it is: a checkpoint resumes, averages
 # and converts across them.
-EXECUTION_FIELDS = ("attention_backend", "loss_backend", "compile")
+EXECUTION_FIELDS = ("attention_backend", "loss_backend", "loss_chunk_rows", "loss_keep_logits_gib",
+                    "compile")
 
 # Every numeric field of ModelConfig and the values it may take.
 MODEL_RANGES: dict[str, Range] = {
@@ -158,6 +168,8 @@ MODEL_RANGES: dict[str, Range] = {
     "attention_probs_dropout_prob": PROBABILITY,
     "initializer_range": POSITIVE,
     "pad_token_id": AT_LEAST_0,  # and < vocab_size
+    "loss_chunk_rows": AT_LEAST_0,  # 0: the device's default
+    "loss_keep_logits_gib": AT_LEAST_0,  # 0: recompute the logits in backward
 }
 
 # The paper's ablation baseline (Section 4): mBERT-sized, 12 layers, H 768, 12 heads, a 120k
