@@ -16,6 +16,19 @@ import json
 import sys
 from pathlib import Path
 
+# What each bench writes (--json), file by file: the keys this table reads. The benches' tests
+# check their files against it.
+SCHEMA = {
+    "model": {"variants", "best"},  # train_throughput.py --gpu-only
+    "engine": {"rows", "sync_debug"},  # train_throughput.py --engine
+    "parts": {"embedding_ms", "layer_ms", "head_ms"},  # pipeline_balance.py
+    "layer": {"eager_ms", "compiled_ms", "matmuls_ms", "speedup"},  # layer_fusion.py
+    "head": {"best", "layer_ms"},  # kernels_gpu.py
+    "fp8": {"fp8_over_bf16", "fp8_tokens_per_s", "fp8_mfu", "loss_ratio"},  # fp8_gpu.py
+}
+ENGINE_ROW = {"gas", "bare", "trainer", "optimizer", "trainer_metrics"}
+STEP = {"tokens_per_s", "tflops", "mfu", "memory_gib"}  # a model or trainer step's figures
+
 # The README's H200 figures before this work (torch 2.11, bf16, 16 x 512).
 BEFORE = {
     "model_mfu": "36.7-37.8% (99-102k tokens/s)",
