@@ -246,6 +246,25 @@ def _grad_logits(s: _Saved, rows: slice, cols: slice) -> torch.Tensor:
     return dlogits
 
 
+def upcast_products(device: torch.device) -> bool:
+    """Whether a reduced-precision product summed in fp32 is an fp32 GEMM of upcast operands
+    (CPU) or the operands' own GEMM added in fp32 (GPU); see _add_product_."""
+    return device.type == "cpu"
+
+
+def _add_product_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, upcast: bool) -> None:
+    """out += a @ b, `out` fp32 or of the operands' dtype. A reduced-precision product summed
+    in fp32: on CPU an fp32 GEMM of the upcast operands (a's C rows are few; converting a
+    Vb x E product costs 4x that GEMM on a 20k x 1664 block of 76 rows); on a GPU the
+    tensor-core GEMM's product, rounded once to the operands' dtype, added in fp32."""
+    if out.dtype == a.dtype:
+        out.addmm_(a, b)
+    elif upcast:
+        out.addmm_(a.float(), b.float())
+    else:
+        out += a @ b
+
+
 def _backward_tiles(s: _Saved, tiling: Tiling, need: tuple[bool, bool, bool]
                     ) -> tuple[torch.Tensor | None, ...]:
     """grad_h (N x E fp32), grad_w (V_local x E, weight dtype), grad_b (V_local fp32).
@@ -253,14 +272,15 @@ def _backward_tiles(s: _Saved, tiling: Tiling, need: tuple[bool, bool, bool]
     Rows are chunked in two runs, the kept rows and the recomputed ones, so a chunk is either
     all kept or all recomputed. Every gradient is summed in fp32. In fp32 the GEMMs accumulate
     straight into the gradients (`addmm_`: no product tensor, no separate accumulator). In a
-    reduced precision each tile's GEMM accumulates in fp32 and rounds its product once to the
-    input dtype; the products are summed in fp32 buffers (grad_hidden, one vocabulary block of
-    grad_weight), so the error does not grow with the tile count. A block covered by one row
-    chunk has one product: it goes straight into grad_weight, which is the same rounding.
+    reduced precision grad_weight is summed in an fp32 buffer per vocabulary block (or in the
+    fp32 main gradient) and rounded once, so the error does not grow with the tile count; see
+    _add_product_ for how each product reaches it. A block covered by one row chunk has one
+    product: it goes straight into grad_weight, which is the same rounding.
     """
     (n, e), v_local, keep = s.h.shape, s.weight.shape[0], s.kept.shape[0]
     f32 = dict(dtype=torch.float32, device=s.h.device)
     exact = s.h.dtype == torch.float32  # fp32 products need no separate fp32 sum
+    upcast = upcast_products(s.h.device)
     grad_h = torch.zeros(n, e, **f32) if need[0] else None  # N x E, over blocks
     into_w, into_b = s.into_weight, s.into_bias  # main gradients: fp32 sums of their own
     grad_w = torch.empty_like(s.weight) if need[1] and into_w is None else None  # V_local x E
@@ -268,13 +288,14 @@ def _backward_tiles(s: _Saved, tiling: Tiling, need: tuple[bool, bool, bool]
               else torch.zeros(v_local, **f32) if need[2] else None)  # V_local, fp32
     chunks = (row_chunks(0, keep, tiling.backward_rows)
               + row_chunks(keep, n, tiling.backward_rows)) or [slice(0, 0)]
+    # one product per block, in the weight's dtype: grad_weight is written directly
+    direct = exact or len(chunks) == 1
     for v0 in range(0, v_local, tiling.vocab_block):
         cols = slice(v0, min(v0 + tiling.vocab_block, v_local))
-        # where this block's grad_weight is summed: in grad_w itself, or in fp32 (Vb x E)
-        direct = exact or len(chunks) == 1
-        out_w = None
+        # where this block's grad_weight is summed: the main gradient, grad_w, or fp32 Vb x E
+        sum_w = into_w[cols] if into_w is not None else None
         if grad_w is not None:
-            out_w = grad_w[cols] if direct else torch.zeros(cols.stop - v0, e, **f32)
+            sum_w = grad_w[cols] if direct else torch.zeros(cols.stop - v0, e, **f32)
         for i, rows in enumerate(chunks):
             dlogits = _grad_logits(s, rows, cols)  # C x Vb
             if grad_h is not None:
@@ -282,22 +303,15 @@ def _backward_tiles(s: _Saved, tiling: Tiling, need: tuple[bool, bool, bool]
                     grad_h[rows].addmm_(dlogits, s.weight[cols])  # C x E
                 else:
                     grad_h[rows] += dlogits @ s.weight[cols]  # C x E
-            if into_w is not None:  # each product added into the fp32 main gradient
-                if exact:
-                    into_w[cols].addmm_(dlogits.t(), s.h[rows])  # Vb x E
+            if sum_w is not None:
+                if i == 0 and grad_w is not None and direct:
+                    torch.mm(dlogits.t(), s.h[rows], out=sum_w)  # Vb x E, first product
                 else:
-                    into_w[cols] += dlogits.t() @ s.h[rows]  # rounded once, summed in fp32
-            if out_w is not None:
-                if i == 0 and direct:
-                    torch.mm(dlogits.t(), s.h[rows], out=out_w)  # Vb x E, first product
-                elif exact:
-                    out_w.addmm_(dlogits.t(), s.h[rows])
-                else:
-                    out_w += dlogits.t() @ s.h[rows]
+                    _add_product_(sum_w, dlogits.t(), s.h[rows], upcast)
             if grad_b is not None:
                 grad_b[cols] += dlogits.sum(dim=0, dtype=torch.float32)  # Vb
-        if out_w is not None and not direct:
-            grad_w[cols] = out_w  # rounded once to the weight's dtype
+        if grad_w is not None and not direct:
+            grad_w[cols] = sum_w  # rounded once to the weight's dtype
     return grad_h, grad_w, grad_b
 
 

@@ -42,8 +42,13 @@ def _into_run(inp: dict, backend: str, chunk: int | None, keep: float, passes: i
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("chunk, keep", [(None, 0.0), (10, 0.0), (10, 1.0)],
                          ids=["one-chunk", "chunks", "chunks-kept"])
-def test_main_grads_hold_the_returned_gradients(backend, dtype, chunk, keep, monkeypatch):
+@pytest.mark.parametrize("upcast", [True, False], ids=["cpu-rule", "gpu-rule"])
+def test_main_grads_hold_the_returned_gradients(backend, dtype, chunk, keep, upcast,
+                                                monkeypatch):
     monkeypatch.setattr(tiles, "CHUNK_ELEMENTS", 64 * E)  # 64-row vocabulary blocks: 5 blocks
+    # both ways of summing reduced-precision products in fp32 (upcast operands on CPU, the
+    # rounded product on a GPU), each on CPU
+    monkeypatch.setattr(ce, "upcast_products", lambda device: upcast)
     inp = make_inputs(N, E, V, N_VALID, dtype, bias=True, seed=3)
     _, _, (_, grad_w, grad_b) = run_ours(inp, N_VALID, backend, chunk, keep_logits_gib=keep)
     grad_h, into_w, into_b, w_grad, b_grad = _into_run(inp, backend, chunk, keep)
