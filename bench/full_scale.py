@@ -81,12 +81,10 @@ def config_for(layers: int, vocab: int | None, extra: list[str]):
 
 def rank_estimates(config) -> dict[str, float]:
     """The dry-run estimate (bytes) of each rank: ranks are pp-major, tp-minor."""
-    from megatron_rembert.run_config import validate_config
-    from megatron_rembert.training.estimate import stage_plan
+    from megatron_rembert.training.plan import RunPlan
 
-    layout = validate_config(config, 4)
-    plan = stage_plan(config, layout)
-    return {f"rank {stage * 2 + t}": plan.total_memory(stage)
+    stages = RunPlan.build(config, 4).stages
+    return {f"rank {stage * 2 + t}": stages.total_memory(stage)
             for stage in range(2) for t in range(2)}
 
 

@@ -41,25 +41,24 @@ from megatron_rembert.model.pipeline import (  # noqa: E402
     pipeline_inputs,
 )
 from megatron_rembert.model.sizes import flops_per_token  # noqa: E402
-from megatron_rembert.run_config import load_config, validate_config  # noqa: E402
-from megatron_rembert.training.estimate import (  # noqa: E402
-    parameter_balanced_boundaries,
-    predictions_per_sequence,
-    stage_plan,
-)
+from megatron_rembert.run_config import load_config  # noqa: E402
+from megatron_rembert.training.estimate import parameter_balanced_boundaries  # noqa: E402
 from megatron_rembert.training.main_grads import attach_main_grad  # noqa: E402
 from megatron_rembert.training.metrics import peak_flops  # noqa: E402
+from megatron_rembert.training.plan import RunPlan  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def layer_times(config, micro: int, seq: int, predictions: int, dtype, device,
+def layer_times(config, micro: int, seq: int, predictions: int, masked: int, dtype, device,
                 repeats: int) -> list[float]:
     """Forward + backward milliseconds of one micro-batch through the embedding, one Transformer
-    layer and the head, as the pipeline runs them (the flash path: packed batches are unpadded),
-    returned per pipeline layer (embedding, L layers, head)."""
+    layer and the head, as the pipeline runs them (the flash path: packed batches are unpadded;
+    `masked` of the P slots real, the rest weight 0, as a full row at the schedule's largest
+    rate), returned per pipeline layer (embedding, L layers, head)."""
     m = config.model
     batch = make_batch(m, micro, seq, 0, device, predictions)
+    batch["masked_weights"][:, masked:] = 0.0
     inputs = pipeline_inputs(batch)
     embedding = EmbeddingPipe(m).to(device, dtype)
     layer = TransformerLayerPipe(m, 0).to(device, dtype)
@@ -114,13 +113,14 @@ def main() -> None:
     config = load_config(args.config, [f"model.preset={args.preset}", "parallel.tp=1",
                                        "parallel.pp=1", *args.set])
     micro, seq = config.train.micro_batch_size, config.data.seq_length
-    validate_config(config, 1)
-    predictions = predictions_per_sequence(config)  # P, as the loader sizes it
-    per_layer = layer_times(config, micro, seq, predictions, DTYPES[args.dtype], device,
+    data = RunPlan.build(config, 1).data
+    predictions = data.max_predictions  # P, as the loader sizes it
+    masked = data.training_masked_per_row(seq)
+    per_layer = layer_times(config, micro, seq, predictions, masked, DTYPES[args.dtype], device,
                             args.repeats)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"{where}, {args.preset} ({config.model.num_hidden_layers} layers), {args.dtype}, "
-          f"micro-batch {micro} x {seq} tokens, P {predictions}; forward + "
+          f"micro-batch {micro} x {seq} tokens, P {predictions} ({masked} real); forward + "
           f"backward ms: embedding {per_layer[0]:.2f} (= {per_layer[0] / per_layer[1]:.3f} "
           f"layers), Transformer layer {per_layer[1]:.2f}, head {per_layer[-1]:.2f} (= "
           f"{per_layer[-1] / per_layer[1]:.2f} layers); m = {args.micro_batches} micro-batches "
@@ -138,7 +138,7 @@ def main() -> None:
           f"{'busiest':>7} {'tokens/s':>10} {'TFLOP/s/GPU':>11} {'MFU':>6}")
     for pp in sizes:
         config.parallel.pp = pp
-        new = stage_plan(config, validate_config(config, pp)).boundaries
+        new = RunPlan.build(config, pp).stages.boundaries
         old = parameter_balanced_boundaries(config, pp)
         rates = {}
         for name, bounds in (("params", old), ("flops", new)):

@@ -154,9 +154,9 @@ def deepspeed_step_time(config: ModelConfig, batches: list[dict]) -> float:
     import deepspeed
 
     from megatron_rembert.parallel import state
-    from megatron_rembert.parallel.layout import Layout
     from megatron_rembert.run_config import Config, TrainConfig
     from megatron_rembert.training.engine import Trainer
+    from megatron_rembert.training.plan import RunPlan
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29591"),
                       RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
@@ -165,9 +165,9 @@ def deepspeed_step_time(config: ModelConfig, batches: list[dict]) -> float:
     run = Config(model=config, train=TrainConfig(global_batch_size=b, micro_batch_size=b,
                                                   precision="fp32", seed=0))
     run.optim.lr, run.optim.warmup_steps, run.parallel.zero_stage = 1e-4, 1, 0
-    layout = Layout(micro_batch_size=b)  # one process, one micro-batch per step
-    state.initialize_model_parallel(layout)
-    trainer = Trainer(run, layout, device=torch.device("cpu"))
+    plan = RunPlan.build(run, 1)  # one process, one micro-batch per step
+    state.initialize_model_parallel(plan.layout)
+    trainer = Trainer(run, plan, device=torch.device("cpu"))
     return timed(lambda batch: trainer.train_step([batch]), batches, lambda: None)
 
 
@@ -180,10 +180,11 @@ def engine_comparison(config: ModelConfig, precision: str, micro: int, seq: int,
     import gc
 
     from megatron_rembert.parallel import state
-    from megatron_rembert.run_config import Config, TrainConfig, validate_config
+    from megatron_rembert.run_config import Config, TrainConfig
     from megatron_rembert.training.engine import Trainer
     from megatron_rembert.training.loop import setup_distributed
     from megatron_rembert.training.metrics import memory_gib, peak_flops
+    from megatron_rembert.training.plan import RunPlan
 
     root = Path(__file__).resolve().parents[1]
     os.environ.setdefault("MASTER_PORT", "29593")
@@ -226,9 +227,9 @@ def engine_comparison(config: ModelConfig, precision: str, micro: int, seq: int,
         run.optim.lr, run.optim.warmup_steps, run.parallel.zero_stage = 1e-4, 1, 1
         json_name = "zero1_bf16.json" if precision == "bf16" else "cpu_fp32.json"
         run.parallel.ds_config = str(root / "ds_configs" / json_name)
-        layout = validate_config(run, 1)
-        state.initialize_model_parallel(layout)
-        trainer = Trainer(run, layout, device)
+        plan = RunPlan.build(run, 1)
+        state.initialize_model_parallel(plan.layout)
+        trainer = Trainer(run, plan, device)
         engine = timed(trainer.train_step, batches, sync)
         tokens_per_s = micro * gas * seq / engine
         tflops = flops_per_token(config, seq)["training"] * tokens_per_s / 1e12
@@ -339,11 +340,12 @@ def trainer_throughput(preset: str, micro: int, gas: int, seq: int, steps: int) 
     NCCL (else the CPU with gloo). tokens/s, model TFLOP/s, MFU, peak memory, and the memory
     `train.py --dry-run` estimates for this layout."""
     from megatron_rembert.parallel import state
-    from megatron_rembert.run_config import load_config, validate_config
+    from megatron_rembert.run_config import load_config
     from megatron_rembert.training.engine import Trainer
     from megatron_rembert.training.estimate import MEMORY_KEYS, memory_estimate
     from megatron_rembert.training.loop import setup_distributed
     from megatron_rembert.training.metrics import memory_gib, peak_flops
+    from megatron_rembert.training.plan import RunPlan
 
     root = Path(__file__).resolve().parents[1]
     os.environ.setdefault("MASTER_PORT", "29592")
@@ -353,16 +355,16 @@ def trainer_throughput(preset: str, micro: int, gas: int, seq: int, steps: int) 
         f"train.micro_batch_size={micro}", f"train.global_batch_size={micro * gas}",
         f"data.seq_length={seq}", "optim.warmup_steps=1"])
     _, _, device = setup_distributed(config.parallel.timeout_minutes)
-    layout = validate_config(config, 1)
-    state.initialize_model_parallel(layout)
-    trainer = Trainer(config, layout, device)
+    plan = RunPlan.build(config, 1)
+    state.initialize_model_parallel(plan.layout)
+    trainer = Trainer(config, plan, device)
     batches = [[make_batch(config.model, micro, seq, step * gas + i, "cpu") for i in range(gas)]
                for step in range(steps + 1)]  # on the host, as the loader delivers them
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     tokens_per_s = micro * gas * seq / timed(trainer.train_step, batches, sync)
     tflops = flops_per_token(config.model, seq)["training"] * tokens_per_s / 1e12
     peak = peak_flops(device)
-    estimate = memory_estimate(config, layout)
+    estimate = memory_estimate(plan.stages)
     return {"tokens_per_s": tokens_per_s, "tflops": tflops,
             "mfu": tflops * 1e12 / peak if peak else None, "memory_gib": memory_gib(device),
             "estimate_gib": {k: estimate[k] / 2**30 for k in MEMORY_KEYS}}

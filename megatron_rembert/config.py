@@ -105,25 +105,18 @@ class ModelConfig:
         multiple = 128 * tp
         return -(-self.vocab_size // multiple) * multiple
 
-    def validate(self, tp: int = 1) -> None:
-        """Raise ConfigError naming the field if the config cannot be built at this TP size."""
+    def validate(self) -> None:
+        """Raise ConfigError naming the field if this model is not a valid one, at any layout
+        (`check_buildable` adds what a tp x pp layout needs)."""
         for name, allowed in MODEL_RANGES.items():
             allowed.check(f"model.{name}", getattr(self, name))
-        if tp < 1:
-            raise ConfigError(f"parallel.tp must be >= 1, got {tp}")
+        for name, allowed in MODEL_CHOICES.items():
+            check_choice(f"model.{name}", getattr(self, name), allowed)
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 f"model.hidden_size={self.hidden_size} is not divisible by "
                 f"model.num_attention_heads={self.num_attention_heads}; pick a head count "
                 "that divides the hidden size")
-        if self.num_attention_heads % tp:
-            raise ConfigError(
-                f"model.num_attention_heads={self.num_attention_heads} is not divisible by "
-                f"parallel.tp={tp}; each tensor-parallel rank must hold whole heads")
-        if self.intermediate_size % tp:
-            raise ConfigError(
-                f"model.intermediate_size={self.intermediate_size} is not divisible by "
-                f"parallel.tp={tp}")
         if self.tie_embeddings and self.input_embedding_size != self.output_embedding_size:
             raise ConfigError(
                 "model.tie_embeddings=true needs model.input_embedding_size == "
@@ -132,17 +125,6 @@ class ModelConfig:
         if not self.pad_token_id < self.vocab_size:
             raise ConfigError(f"model.pad_token_id={self.pad_token_id} is outside the vocabulary "
                               f"(model.vocab_size={self.vocab_size})")
-        if self.attention_backend not in ("sdpa", "fused_softmax"):
-            raise ConfigError(
-                f"model.attention_backend={self.attention_backend!r}: expected 'sdpa' or "
-                "'fused_softmax'")
-        if not (isinstance(self.compile, bool) or self.compile == "auto"):
-            raise ConfigError(
-                f"model.compile={self.compile!r}: expected true, false or auto (compiled on "
-                "CUDA, eager on CPU)")
-        if self.loss_backend not in ("fused", "reference"):
-            raise ConfigError(
-                f"model.loss_backend={self.loss_backend!r}: expected 'fused' or 'reference'")
 
     def compiles_on(self, device_type: str) -> bool:
         """Whether the Transformer layers run through torch.compile on a device of this type
@@ -171,6 +153,51 @@ MODEL_RANGES: dict[str, Range] = {
     "loss_chunk_rows": AT_LEAST_0,  # 0: the device's default
     "loss_keep_logits_gib": AT_LEAST_0,  # 0: recompute the logits in backward
 }
+
+# Every ModelConfig field that takes one of a few values, and those values.
+MODEL_CHOICES: dict[str, tuple] = {
+    "attention_backend": ("sdpa", "fused_softmax"),
+    "loss_backend": ("fused", "reference"),
+    "compile": (True, False, "auto"),
+}
+
+
+def choice_text(value) -> str:
+    """A choice as the YAML spells it: true/false for booleans."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def check_choice(key: str, value, allowed: tuple) -> None:
+    """Raise ConfigError naming `key` unless `value` is one of `allowed` (type included: the
+    integer 1 is not true)."""
+    if not any(type(value) is type(a) and value == a for a in allowed):
+        words = [choice_text(a) for a in allowed]
+        raise ConfigError(f"{key}={value!r}: expected {', '.join(words[:-1])} or {words[-1]}")
+
+
+def check_buildable(model: ModelConfig, tp: int, pp: int) -> None:
+    """Whether `model` can be built at parallel.tp x parallel.pp: a valid model, whole heads
+    and FFN columns on each tensor-parallel rank, at least one Transformer layer per pipeline
+    stage, tied embeddings on one stage. The trainer and the converters (reshard, from-hf)
+    ask this one question; raises ConfigError naming the key."""
+    model.validate()
+    for key, size in (("parallel.tp", tp), ("parallel.pp", pp)):
+        if size < 1:
+            raise ConfigError(f"{key}={size}: must be >= 1")
+    if model.num_attention_heads % tp:
+        raise ConfigError(
+            f"model.num_attention_heads={model.num_attention_heads} is not divisible by "
+            f"parallel.tp={tp}; each tensor-parallel rank must hold whole heads")
+    if model.intermediate_size % tp:
+        raise ConfigError(
+            f"model.intermediate_size={model.intermediate_size} is not divisible by "
+            f"parallel.tp={tp}")
+    if model.num_hidden_layers < pp:
+        raise ConfigError(f"model.num_hidden_layers={model.num_hidden_layers} is fewer than "
+                          f"parallel.pp={pp} pipeline stages")
+    if pp > 1 and model.tie_embeddings:
+        raise ConfigError("model.tie_embeddings=true needs parallel.pp=1: the tied table would "
+                          "span the first and last pipeline stages")
 
 # The paper's ablation baseline (Section 4): mBERT-sized, 12 layers, H 768, 12 heads, a 120k
 # vocabulary (its exact size is not given), no dropout.

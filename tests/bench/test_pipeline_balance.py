@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rembert.run_config import load_config, validate_config
-from megatron_rembert.training.estimate import parameter_balanced_boundaries, stage_plan
+from megatron_rembert.run_config import load_config
+from megatron_rembert.training.estimate import parameter_balanced_boundaries
+from megatron_rembert.training.plan import RunPlan
 from tests.bench import bench_script
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,7 +37,7 @@ def test_runs_and_times_both_partitions(dtype, tmp_path):
     rows = {line.split()[1]: line.split()[2] for line in run.stdout.splitlines()
             if line.strip().startswith("2 ")}
     config = load_config(ROOT / "configs" / "rembert.yaml", [*sets, "parallel.pp=2"])
-    for name, bounds in (("flops", stage_plan(config, validate_config(config, 2)).boundaries),
+    for name, bounds in (("flops", RunPlan.build(config, 2).stage_boundaries),
                          ("params", parameter_balanced_boundaries(config, 2))):
         assert rows[name] == f"{bounds[1] - bounds[0]}/{bounds[2] - bounds[1]}", run.stdout
     assert "flops-balanced / parameter-balanced tokens/s" in run.stdout

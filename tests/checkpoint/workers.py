@@ -49,16 +49,18 @@ def integrity_worker(rank, world_size, root: str) -> dict:
     import deepspeed
 
     from megatron_rembert.parallel import state
-    from megatron_rembert.run_config import build_config, validate_config
+    from megatron_rembert.run_config import build_config
     from megatron_rembert.training import checkpoint as ckpt
     from megatron_rembert.training.engine import Trainer
+    from megatron_rembert.training.plan import RunPlan
 
     root = Path(root)
     deepspeed.init_distributed(dist_backend="gloo")
     config = build_config({"model": {"preset": "tiny"}}, overrides(1, 1, 1))
-    layout = validate_config(config, world_size)
+    plan = RunPlan.build(config, world_size)
+    layout = plan.layout
     state.initialize_model_parallel(layout)
-    trainer = Trainer(config, layout, torch.device("cpu"))
+    trainer = Trainer(config, plan, torch.device("cpu"))
     trainer.train_step(micro_batches(0, GLOBAL_BATCH, MICRO, 0, 1, config.model.vocab_size))
     meta = {"config": config.to_dict(), "tokenizer_sha256": None,
             "layout": {"tp": 1, "pp": 1, "dp": 1}}

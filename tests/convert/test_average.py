@@ -28,15 +28,17 @@ def train_average_resume_worker(rank, world_size, root: str, batch: dict) -> dic
     import deepspeed
 
     from megatron_rembert.parallel import comm, state
-    from megatron_rembert.run_config import build_config, validate_config
+    from megatron_rembert.run_config import build_config
     from megatron_rembert.training import checkpoint as ckpt
     from megatron_rembert.training.engine import Trainer
+    from megatron_rembert.training.plan import RunPlan
 
     deepspeed.init_distributed(dist_backend="gloo")
     config = build_config({"model": TINY}, overrides(2, 1))
-    layout = validate_config(config, world_size, rank)
+    plan = RunPlan.build(config, world_size, rank)
+    layout = plan.layout
     s = state.initialize_model_parallel(layout)
-    trainer = Trainer(config, layout, torch.device("cpu"))
+    trainer = Trainer(config, plan, torch.device("cpu"))
     meta = {"config": config.to_dict(), "tokenizer_sha256": None, "layout": layout.sizes()}
     lrs = []
     for step in range(2):
@@ -49,7 +51,7 @@ def train_average_resume_worker(rank, world_size, root: str, batch: dict) -> dic
         assert main(["average", "--checkpoints", f"{root}/run/step_00000002",
                      f"{root}/run/step_00000001", "--out", f"{root}/avg"]) == 0
     comm.barrier()
-    trainer = Trainer(config, layout, torch.device("cpu"))
+    trainer = Trainer(config, plan, torch.device("cpu"))
     folder = ckpt.find_latest(f"{root}/avg")
     resumed = ckpt.load_checkpoint(trainer.engine, folder,
                                    ckpt.check_layout(folder, ckpt.read_meta(folder), layout))

@@ -25,15 +25,17 @@ def train_worker(rank, world_size, model: dict, over: list[str], load: str | Non
     import deepspeed
 
     from megatron_rembert.parallel import state
-    from megatron_rembert.run_config import build_config, validate_config
+    from megatron_rembert.run_config import build_config
     from megatron_rembert.training import checkpoint as ckpt
     from megatron_rembert.training.engine import Trainer
+    from megatron_rembert.training.plan import RunPlan
 
     deepspeed.init_distributed(dist_backend="gloo")
     config = build_config({"model": model}, over)
-    layout = validate_config(config, world_size, rank)
+    plan = RunPlan.build(config, world_size, rank)
+    layout = plan.layout
     s = state.initialize_model_parallel(layout)
-    trainer = Trainer(config, layout, torch.device("cpu"))
+    trainer = Trainer(config, plan, torch.device("cpu"))
     if load:
         resumed = ckpt.load_checkpoint(trainer.engine, Path(load), how="full")
         assert resumed.step == first_step
@@ -56,15 +58,17 @@ def eval_worker(rank, world_size, model: dict, over: list[str], load: str, batch
     import deepspeed
 
     from megatron_rembert.parallel import state
-    from megatron_rembert.run_config import build_config, validate_config
+    from megatron_rembert.run_config import build_config
     from megatron_rembert.training import checkpoint as ckpt
     from megatron_rembert.training.engine import Trainer
+    from megatron_rembert.training.plan import RunPlan
 
     deepspeed.init_distributed(dist_backend="gloo")
     config = build_config({"model": model}, over)
-    layout = validate_config(config, world_size, rank)
+    plan = RunPlan.build(config, world_size, rank)
+    layout = plan.layout
     state.initialize_model_parallel(layout)
-    trainer = Trainer(config, layout, torch.device("cpu"))
+    trainer = Trainer(config, plan, torch.device("cpu"))
     ckpt.load_checkpoint(trainer.engine, Path(load), how="full")
     micro = split_micro(batch, MICRO)
     return trainer.eval_step(micro)[0]

@@ -143,10 +143,11 @@ def merge_ranks(per_rank: list[Run]) -> Run:
 def reference_run(path: str, sets: list[str]) -> Run:
     """Plain torch, fp32, one process, each global batch in one piece."""
     from megatron_rembert.data.loader import build_pretraining_loader
+    from megatron_rembert.data.schedule import DataPlan
     from megatron_rembert.model.rembert import RemBertForPreTraining
     from megatron_rembert.parallel.layout import Layout
     from megatron_rembert.run_config import load_config
-    from megatron_rembert.training.optim import build_optimizer, build_scheduler
+    from megatron_rembert.training.optim import LRSchedule, build_optimizer, build_scheduler
 
     config = load_config(path, sets + ["train.precision=fp32", "parallel.tp=1",
                                        "parallel.pp=1"])
@@ -154,11 +155,11 @@ def reference_run(path: str, sets: list[str]) -> Run:
     model = RemBertForPreTraining(config.model)
     model.init_weights(train.seed)
     optimizer = build_optimizer(model, config)
-    scheduler = build_scheduler(optimizer, config)
+    scheduler = build_scheduler(optimizer, LRSchedule.of(config))
     # The whole global batch as one micro-batch.
     layout = Layout(micro_batch_size=train.global_batch_size)
-    loader = build_pretraining_loader(data, layout, seed=train.seed, num_workers=0,
-                                      steps=train.steps)
+    plan = DataPlan.resolve(data, train.steps, config.eval.mask_prob)
+    loader = build_pretraining_loader(data, layout, plan, seed=train.seed, num_workers=0)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     run = Run()
     for _ in range(train.steps):

@@ -37,8 +37,9 @@ def _trainer_worker(rank, world_size, unpadded: bool, backend: str, recompute: b
     import deepspeed
 
     from megatron_rembert.parallel import state
-    from megatron_rembert.run_config import build_config, validate_config
+    from megatron_rembert.run_config import build_config
     from megatron_rembert.training.engine import Trainer
+    from megatron_rembert.training.plan import RunPlan
 
     deepspeed.init_distributed(dist_backend="gloo")
     config = build_config({"model": {"preset": "tiny"}}, [
@@ -47,9 +48,9 @@ def _trainer_worker(rank, world_size, unpadded: bool, backend: str, recompute: b
         f"parallel.activation_checkpointing={str(recompute).lower()}",
         f"model.attention_backend={backend}", "train.global_batch_size=4",
         "train.micro_batch_size=2", "data.seq_length=16", "optim.warmup_steps=1"])
-    layout = validate_config(config, world_size, rank)
-    state.initialize_model_parallel(layout)
-    trainer = Trainer(config, layout, torch.device("cpu"))
+    plan = RunPlan.build(config, world_size, rank)
+    state.initialize_model_parallel(plan.layout)
+    trainer = Trainer(config, plan, torch.device("cpu"))
     assert trainer.main_grads is not None  # the production path: fp32 main gradients
     checked = 0
     for step in range(2):
