@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from train_throughput import make_batch, timed  # noqa: E402
 
+from megatron_rembert.checkpoint.resume import parameter_balanced_boundaries  # noqa: E402
 from megatron_rembert.model.pipeline import (  # noqa: E402
     EmbeddingPipe,
     MLMHeadPipe,
@@ -41,7 +42,6 @@ from megatron_rembert.model.pipeline import (  # noqa: E402
 from megatron_rembert.model.sizes import flops_per_token  # noqa: E402
 from megatron_rembert.run_config import load_config, validate_config  # noqa: E402
 from megatron_rembert.training.estimate import (  # noqa: E402
-    parameter_balanced_boundaries,
     predictions_per_sequence,
     stage_plan,
 )

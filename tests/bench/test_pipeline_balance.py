@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from megatron_rembert.checkpoint.resume import parameter_balanced_boundaries
 from megatron_rembert.run_config import load_config, validate_config
-from megatron_rembert.training.estimate import parameter_balanced_boundaries, stage_plan
+from megatron_rembert.training.estimate import stage_plan
 from tests.bench import bench_script
 
 ROOT = Path(__file__).resolve().parents[2]
