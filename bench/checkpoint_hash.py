@@ -44,6 +44,7 @@ def main() -> None:
     import torch
     from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
+    from megatron_rembert.checkpoint.step_folder import step_tag
     from megatron_rembert.parallel import random as tp_random
     from megatron_rembert.parallel import state
     from megatron_rembert.run_config import build_config
@@ -99,7 +100,7 @@ def main() -> None:
                 start = time.perf_counter()
                 save(i)
                 times[name].append(time.perf_counter() - start)
-        files = [f for f in (root / "hashed" / ckpt.step_tag(args.reps)).rglob("*")
+        files = [f for f in (root / "hashed" / step_tag(args.reps)).rglob("*")
                  if f.is_file()]
         size = sum(f.stat().st_size for f in files)
         blobs = [f.read_bytes() for f in files]

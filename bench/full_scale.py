@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from memwatch import watch  # noqa: E402
 
-from megatron_rembert.checkpoint.folder import ROLLED_BACK  # noqa: E402
+from megatron_rembert.checkpoint.step_folder import ROLLED_BACK  # noqa: E402
 
 GIB = 2**30
 SEQ, MICRO, GLOBAL = 128, 1, 4
@@ -156,11 +156,12 @@ def check_hf(step_dir: Path, hf_dir: Path, encoder_dir: Path) -> dict:
 import json, math, torch, transformers
 from megatron_rembert.checkpoint.reader import CheckpointReader
 from megatron_rembert.checkpoint.specs import ParamSpec
+from megatron_rembert.checkpoint.step_folder import StepFolder
 from megatron_rembert.model.rembert import RemBertForPreTraining
 from megatron_rembert.parallel import state
 
 torch.manual_seed(0)
-with CheckpointReader({str(step_dir)!r}) as reader, state.offline(1):
+with CheckpointReader(StepFolder.open({str(step_dir)!r})) as reader, state.offline(1):
     config = reader.model
     ours = RemBertForPreTraining(config).eval()
     for name, param in ours.named_parameters():

@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from train_throughput import make_batch, timed  # noqa: E402
 
+from megatron_rembert.checkpoint.resume import parameter_balanced_boundaries  # noqa: E402
 from megatron_rembert.model.pipeline import (  # noqa: E402
     EmbeddingPipe,
     MLMHeadPipe,
@@ -42,7 +43,6 @@ from megatron_rembert.model.pipeline import (  # noqa: E402
 )
 from megatron_rembert.model.sizes import flops_per_token  # noqa: E402
 from megatron_rembert.run_config import load_config  # noqa: E402
-from megatron_rembert.training.estimate import parameter_balanced_boundaries  # noqa: E402
 from megatron_rembert.training.main_grads import attach_main_grad  # noqa: E402
 from megatron_rembert.training.metrics import peak_flops  # noqa: E402
 from megatron_rembert.training.plan import RunPlan  # noqa: E402

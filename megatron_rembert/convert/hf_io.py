@@ -12,10 +12,10 @@ from megatron_rembert.checkpoint.files import (
     safe_open_checked,
     torch_load_weights,
 )
-from megatron_rembert.checkpoint.folder import resolve_checkpoint
 from megatron_rembert.checkpoint.portable import write_portable
 from megatron_rembert.checkpoint.reader import CheckpointReader
 from megatron_rembert.checkpoint.specs import ParamSpec, param_specs
+from megatron_rembert.checkpoint.step_folder import resolve_checkpoint
 from megatron_rembert.config import PRESETS, ModelConfig
 from megatron_rembert.convert.files import (
     ConvertError,
@@ -42,9 +42,9 @@ def _count(specs: list[ParamSpec]) -> int:
 def export_hf(checkpoint: str, out: str, tokenizer: str | None, force: bool,
               encoder_only: bool = False, log=print) -> dict:
     """Write a transformers `RemBertForMaskedLM` (or, encoder_only, `RemBertModel`) folder."""
-    checkpoint = resolve_checkpoint(checkpoint)
-    with CheckpointReader(checkpoint) as reader:
-        check_out_apart(out, checkpoint)
+    source = resolve_checkpoint(checkpoint)
+    with CheckpointReader(source) as reader:
+        check_out_apart(out, source.path)
         model = reader.model
         specs = param_specs(model, 1)
         kept = [s for s in specs if not (encoder_only and s.name.startswith("mlm_head."))]

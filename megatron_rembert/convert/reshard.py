@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from megatron_rembert.checkpoint.folder import resolve_checkpoint
 from megatron_rembert.checkpoint.portable import write_portable
 from megatron_rembert.checkpoint.reader import CheckpointReader
 from megatron_rembert.checkpoint.specs import param_specs
+from megatron_rembert.checkpoint.step_folder import resolve_checkpoint
 from megatron_rembert.convert.files import check_out_apart, check_tp_pp, staged_output
 from megatron_rembert.run_config import PIPELINE_ZERO_STAGE
 
@@ -26,9 +26,9 @@ from megatron_rembert.run_config import PIPELINE_ZERO_STAGE
 def reshard(checkpoint: str, out: str, tp: int | None, pp: int | None, force: bool,
             weights_only: bool = False, log=print) -> Path:
     """`checkpoint`: a step folder or a save folder (its `latest`); tp/pp None: unchanged."""
-    checkpoint = resolve_checkpoint(checkpoint)
-    with CheckpointReader(checkpoint) as reader:
-        check_out_apart(out, checkpoint)
+    source = resolve_checkpoint(checkpoint)
+    with CheckpointReader(source) as reader:
+        check_out_apart(out, source.path)
         tp = reader.tp if tp is None else tp
         pp = reader.pp if pp is None else pp
         check_tp_pp(reader.model, tp, pp)

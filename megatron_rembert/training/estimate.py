@@ -145,14 +145,6 @@ def stage_plan(config: Config, layout: Layout, data: DataPlan) -> StagePlan:
                      memory=memory, efficiency=one_f_one_b_efficiency(stage_flops, layout.gas))
 
 
-def parameter_balanced_boundaries(config: Config, pp: int) -> list[int]:
-    """The partition of earlier versions (DeepSpeed's `partition_balanced` over parameter
-    counts), for reading checkpoints that did not record their boundaries."""
-    from deepspeed.runtime.utils import partition_balanced
-
-    return list(partition_balanced(weights=pipeline_layer_costs(config.model), num_parts=pp))
-
-
 def memory_estimate(stages: StagePlan) -> dict:
     """Bytes per rank on the pipeline stage that needs the most memory."""
     busiest = max(range(len(stages.memory)), key=stages.total_memory)

@@ -12,9 +12,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_rembert.checkpoint import folder as protocol
+from megatron_rembert.checkpoint import CheckpointError, resume
 from megatron_rembert.checkpoint.lock import SaveDirLock
-from megatron_rembert.config import EXECUTION_FIELDS, ConfigError, check_choice
+from megatron_rembert.checkpoint.step_folder import StepFolder, find_latest, roll_back
+from megatron_rembert.config import ConfigError, check_choice
 from megatron_rembert.data.loader import build_pretraining_loader, build_validation_set
 from megatron_rembert.data.shards import ShardDataset
 from megatron_rembert.fs import sha256_file
@@ -32,6 +33,7 @@ from megatron_rembert.training.metrics import (
     memory_gib,
     peak_flops,
 )
+from megatron_rembert.training.optim import lr_lambda
 from megatron_rembert.training.plan import RunPlan
 from megatron_rembert.training.signals import StopFlag
 
@@ -150,31 +152,25 @@ def _save_dir_locked(config: Config) -> Iterator[None]:
     """Rank 0 locks train.save_dir (which also proves it writable) before any heavy work;
     every rank learns whether that worked."""
     lock = SaveDirLock(config.train.save_dir)
-    error = None
-    if comm.rank() == 0:
-        try:
+    with comm.agree_or_raise(CheckpointError, lambda error, ranks: error or CheckpointError(
+            f"train.save_dir={config.train.save_dir}: rank 0 could not lock it (its error says "
+            "why)")):
+        if comm.rank() == 0:
             lock.acquire()
-        except ckpt.CheckpointError as err:
-            error = err
-    (failed,) = comm.all_reduce_values([0.0 if error is None else 1.0])
-    if error is not None:
-        raise error
-    if failed:
-        raise ckpt.CheckpointError(f"train.save_dir={config.train.save_dir}: rank 0 could not "
-                                   "lock it (its error says why)")
     try:
         yield
     finally:
         lock.release()
 
 
-def _find_resume(config: Config, meta_now: dict, layout: Layout) -> tuple[Path | None, str]:
-    """The folder to resume from (after a roll-back to train.resume_from) and how it loads at
-    this run's layout (training/checkpoint.check_layout), checked before the model is built."""
+def _find_resume(config: Config, meta_now: dict, layout: Layout
+                 ) -> tuple[StepFolder | None, str]:
+    """The checkpoint to resume from (after a roll-back to train.resume_from) and how it loads
+    at this run's layout (checkpoint.resume.check_resume), checked before the model is built."""
     save_dir = Path(config.train.save_dir)
     if config.train.resume_from:
         if comm.rank() == 0:
-            moved = protocol.roll_back(save_dir, Path(config.train.resume_from))
+            moved = roll_back(save_dir, Path(config.train.resume_from))
             if moved is None:
                 print(f"train.resume_from={config.train.resume_from}: rolled back before; "
                       "resuming from 'latest'", flush=True)
@@ -182,30 +178,14 @@ def _find_resume(config: Config, meta_now: dict, layout: Layout) -> tuple[Path |
                 print(f"rolled back to {config.train.resume_from}: moved "
                       f"{', '.join(p.name for p in moved)} into {moved[0].parent}", flush=True)
         comm.barrier()
-    folder = ckpt.find_latest(save_dir)
-    if folder is None:
+    latest = find_latest(save_dir)
+    if latest is None:
         return None, "same"
-    meta = ckpt.read_meta(folder)
-    old = meta["config"]["model"]
-    new = meta_now["config"]["model"]
-    changed = sorted(k for k in new if k not in (*EXECUTION_FIELDS, "preset")
-                     and old.get(k) != new[k])
-    if changed:
-        raise ckpt.CheckpointError(
-            f"{folder}: the checkpoint's model differs from the config in {changed}; resume "
-            "with the same model or use a different train.save_dir")
-    for key, flag in (("tokenizer_sha256", "data.tokenizer"), ("dataset_sha256", "data.path")):
-        saved, now = meta.get(key), meta_now.get(key)
-        if saved and now and saved != now:
-            raise ckpt.CheckpointError(
-                f"{folder} was trained with {key} {saved[:12]}..., {flag}="
-                f"{getattr(config.data, flag.split('.')[1])} has {now[:12]}...; resume with the "
-                f"checkpoint's {flag} or use a different train.save_dir")
-    how = ckpt.check_layout(folder, meta, layout, config, meta_now["stage_boundaries"])
-    if comm.rank() == 0:  # another global batch size or LR schedule: allowed, said once
-        for notice in ckpt.resume_notices(folder, meta, config):
+    how, notices = resume.check_resume(latest, config, meta_now, layout, lr_lambda)
+    if comm.rank() == 0:  # another global batch size, LR schedule or stage split: said once
+        for notice in notices:
             print(notice, flush=True)
-    return folder, how
+    return latest, how
 
 
 def train(config: Config, stop: StopFlag | None = None) -> dict:
@@ -257,8 +237,10 @@ def _train(config: Config, rank: int, world: int, device: torch.device, stop: St
     if resume_folder is not None:
         resumed = ckpt.load_checkpoint(trainer.engine, resume_folder, how)
         step = resumed.step
-        consumed = ckpt.data_position(resumed.consumed_samples, config.train.global_batch_size)
-        log.console(f"resumed from {resume_folder} (step {step}, {consumed} samples consumed)")
+        consumed = resume.data_position(resumed.consumed_samples,
+                                        config.train.global_batch_size)
+        log.console(f"resumed from {resume_folder.path} (step {step}, {consumed} samples "
+                    "consumed)")
     train_cfg, data = config.train, config.data
     loader = build_pretraining_loader(data, layout, plan.data, seed=train_cfg.seed,
                                       tokenizer_sha256=sha, consumed_samples=consumed)

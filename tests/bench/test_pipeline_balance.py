@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_rembert.checkpoint.resume import parameter_balanced_boundaries
 from megatron_rembert.run_config import load_config
-from megatron_rembert.training.estimate import parameter_balanced_boundaries
 from megatron_rembert.training.plan import RunPlan
 from tests.bench import bench_script
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from tests.training.helpers import SEQ, micro_batches, split_micro
@@ -24,6 +22,7 @@ def train_worker(rank, world_size, model: dict, over: list[str], load: str | Non
     starting at `first_step`, saving after global step `save[1]` into `save[0]`."""
     import deepspeed
 
+    from megatron_rembert.checkpoint.step_folder import StepFolder
     from megatron_rembert.parallel import state
     from megatron_rembert.run_config import build_config
     from megatron_rembert.training import checkpoint as ckpt
@@ -37,7 +36,7 @@ def train_worker(rank, world_size, model: dict, over: list[str], load: str | Non
     s = state.initialize_model_parallel(layout)
     trainer = Trainer(config, plan, torch.device("cpu"))
     if load:
-        resumed = ckpt.load_checkpoint(trainer.engine, Path(load), how="full")
+        resumed = ckpt.load_checkpoint(trainer.engine, StepFolder.open(load), how="full")
         assert resumed.step == first_step
     losses = []
     for step in range(first_step, first_step + steps):
@@ -57,6 +56,7 @@ def eval_worker(rank, world_size, model: dict, over: list[str], load: str, batch
     """Mean MLM loss of `batch` (one global batch) after loading `load`."""
     import deepspeed
 
+    from megatron_rembert.checkpoint.step_folder import StepFolder
     from megatron_rembert.parallel import state
     from megatron_rembert.run_config import build_config
     from megatron_rembert.training import checkpoint as ckpt
@@ -69,6 +69,6 @@ def eval_worker(rank, world_size, model: dict, over: list[str], load: str, batch
     layout = plan.layout
     state.initialize_model_parallel(layout)
     trainer = Trainer(config, plan, torch.device("cpu"))
-    ckpt.load_checkpoint(trainer.engine, Path(load), how="full")
+    ckpt.load_checkpoint(trainer.engine, StepFolder.open(load), how="full")
     micro = split_micro(batch, MICRO)
     return trainer.eval_step(micro)[0]

@@ -6,11 +6,17 @@ from pathlib import Path
 
 import pytest
 
+from megatron_rembert.checkpoint.resume import (
+    check_layout,
+    other_stage_split,
+    parameter_balanced_boundaries,
+)
+from megatron_rembert.checkpoint.step_folder import StepFolder
 from megatron_rembert.config import ConfigError
 from megatron_rembert.model.partition import balance_stages, one_f_one_b_efficiency
 from megatron_rembert.run_config import load_config
 from megatron_rembert.training.dry_run import dry_run_report
-from megatron_rembert.training.estimate import parameter_balanced_boundaries, stage_plan
+from megatron_rembert.training.estimate import stage_plan
 from megatron_rembert.training.plan import RunPlan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -120,8 +126,6 @@ def test_dry_run_prints_the_stage_table():
 def test_a_checkpoint_of_another_split_is_read_as_full_tensors():
     """Resuming at the same tp x pp but another stage split (a checkpoint of an earlier version
     records none: DeepSpeed's parameter balance) takes the full-tensor path."""
-    from megatron_rembert.training.checkpoint import other_stage_split
-
     config, run = _rembert(2)
     layout, current = run.layout, run.stage_boundaries
     old = parameter_balanced_boundaries(config, 2)
@@ -134,3 +138,12 @@ def test_a_checkpoint_of_another_split_is_read_as_full_tensors():
     assert single.stage_boundaries is None
     assert other_stage_split({"layout": single.layout.sizes()}, one, single.layout,
                              None) is None
+    # How each loads: the same split everything ('same'), another split full tensors; at
+    # another dp the split is not consulted (ZeRO partitions load full tensors anyway).
+    saved = {"config": {"parallel": {"zero_stage": 1}}}
+    for split, how in ((current, "same"), (old, "full")):
+        step = StepFolder(Path("step_00000001"), {**meta, **saved, "stage_boundaries": split})
+        assert check_layout(step, layout, other_stage_split(step.meta, config, layout,
+                                                            current)) == how
+    other_dp = {**meta, "layout": {**layout.sizes(), "dp": 1}, "stage_boundaries": old}
+    assert other_stage_split(other_dp, config, layout, current) is None

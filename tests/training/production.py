@@ -54,7 +54,7 @@ def _masters_and_momentum(trainer, with_momentum: bool = True) -> tuple[dict, di
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     from megatron_rembert.training import deepspeed_private
-    from megatron_rembert.training.portable import local_parameters
+    from megatron_rembert.training.full_tensors import local_parameters
 
     masters, momentum = {}, {}
     opt = trainer.optimizer
@@ -80,7 +80,7 @@ def _tp_norms(tensors: dict, trainer) -> dict[str, float]:
 
     from megatron_rembert.parallel import state
     from megatron_rembert.parallel.layers import is_tp_sharded
-    from megatron_rembert.training.portable import local_parameters
+    from megatron_rembert.training.full_tensors import local_parameters
 
     sharded = {n: is_tp_sharded(p) for n, p in local_parameters(trainer.engine.module)}
     out = {}

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_rembert.checkpoint import CheckpointError
+from megatron_rembert.checkpoint.step_folder import find_latest
 from megatron_rembert.config import ConfigError
 from megatron_rembert.data.common import DataError
 from megatron_rembert.run_config import (
@@ -22,7 +24,6 @@ from megatron_rembert.run_config import (
     config_help,
     load_config,
 )
-from megatron_rembert.training.checkpoint import CheckpointError, find_latest
 from megatron_rembert.training.loop import check_inputs
 from megatron_rembert.training.optim import deepspeed_config, lr_lambda
 from megatron_rembert.training.plan import RunPlan

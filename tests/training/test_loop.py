@@ -240,6 +240,6 @@ def test_resume_from_rolls_back_without_losing_newer(tmp_path, tiny_dataset, uni
         tmp_path, *tiny_dataset, **{"train.resume_from": save_dir / "step_00000003"}))
     folder, how = loop._find_resume(config, meta,
                                     RunPlan.build(config, meta["layout"]["dp"]).layout)
-    assert folder.name == "step_00000003" and how == "same"
+    assert folder.path.name == "step_00000003" and how == "same"
     assert (save_dir / "latest").read_text().strip() == "step_00000003"
     assert [p.name for p in save_dir.glob("rolled_back/*/step_*")] == ["step_00000006"]
