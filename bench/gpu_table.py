@@ -89,6 +89,11 @@ def rows(folder: Path) -> list[tuple[str, str, str, str, str]]:
                         f"{ratio:.3f} (engine {1e3 * (r['trainer'] - r['bare']):.1f} ms/step, "
                         f"optimizer {1e3 * r['optimizer']:.1f} ms)", f">= {goal}",
                         _met(ratio >= goal), ""))
+            if r.get("bare_mixed"):  # the plain mixed-precision loop (fp32 masters)
+                mixed = r["bare_mixed"] / r["trainer"]
+                out.append((f"trainer / bare mixed-precision loop, gas {gas}",
+                            f"{mixed:.3f} (engine {1e3 * (r['trainer'] - r['bare_mixed']):.1f} "
+                            "ms/step)", "", "", ""))
         sync = engine.get("sync_debug")
         out.append(("host syncs in a micro-batch (sync_debug_mode error)", str(sync),
                     "clean", _met(sync == "clean") if sync else "?", "nonzero in the loss"))

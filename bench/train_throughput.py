@@ -171,6 +171,49 @@ def deepspeed_step_time(config: ModelConfig, batches: list[dict]) -> float:
     return timed(lambda batch: trainer.train_step([batch]), batches, lambda: None)
 
 
+def bare_step_time(config: ModelConfig, dtype: torch.dtype, mixed: bool,
+                   batches: list[list[dict]], steps: int, device: torch.device, sync
+                   ) -> tuple[float, dict]:
+    """Seconds per step of the bare model + torch's fused AdamW, and the median of its parts.
+
+    mixed=False: the model in `dtype`, gradients accumulated by autograd, AdamW on the
+    parameters themselves (bf16 weights and moments: a lower bound, not a recipe anyone
+    trains with). mixed=True: the plain mixed-precision loop without an engine (fp32 master
+    weights and moments; after the micro-batches each gradient converted to fp32, AdamW on
+    the masters, the weights copied back), the work any bf16 trainer must do per step."""
+    model = RemBertForPreTraining(config)
+    model.init_weights(0)
+    model = model.to(device=device, dtype=dtype)
+    params = list(model.parameters())
+    masters = [p.detach().float() for p in params] if mixed else params
+    optimizer = torch.optim.AdamW(masters, lr=1e-4, fused=True)
+    parts = {"forward + backward": [], "optimizer": []}
+
+    def step(micro_batches):
+        tokens = sum(float(mb["masked_weights"].sum()) for mb in micro_batches)
+        for mb in micro_batches:
+            start = time.perf_counter()
+            out = model(**{k: v if k == "unpadded" else v.to(device) for k, v in mb.items()})
+            (out.loss_sum / tokens).backward()
+            sync()
+            parts["forward + backward"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        if mixed:
+            for master, p in zip(masters, params, strict=True):
+                master.grad = p.grad.float()
+        optimizer.step()
+        if mixed:
+            with torch.no_grad():
+                torch._foreach_copy_(params, masters)
+            optimizer.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+        sync()
+        parts["optimizer"].append(time.perf_counter() - start)
+
+    seconds = timed(step, batches, sync)
+    return seconds, {k: statistics.median(v[len(v) // (steps + 1):]) for k, v in parts.items()}
+
+
 def engine_comparison(config: ModelConfig, precision: str, micro: int, seq: int,
                       gas_values: list[int], steps: int, device: torch.device) -> list[dict]:
     """Seconds per step of the trainer (DeepSpeed, production config of `precision`) and of the
@@ -195,32 +238,11 @@ def engine_comparison(config: ModelConfig, precision: str, micro: int, seq: int,
     for gas in gas_values:
         batches = [[make_batch(config, micro, seq, step * gas + i, "cpu") for i in range(gas)]
                    for step in range(steps + 1)]  # on the host, as the loader delivers them
-        # The bare step: the model in the training dtype, gradients accumulated by autograd,
-        # one fused AdamW step on the parameters themselves.
-        model = RemBertForPreTraining(config)
-        model.init_weights(0)
-        model = model.to(device=device, dtype=dtype)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        parts = {"forward + backward": [], "optimizer": []}
-
-        def bare_step(micro_batches, model=model, optimizer=optimizer, parts=parts):
-            optimizer.zero_grad(set_to_none=True)
-            tokens = sum(float(mb["masked_weights"].sum()) for mb in micro_batches)
-            for mb in micro_batches:
-                start = time.perf_counter()
-                out = model(**{k: v if k == "unpadded" else v.to(device) for k, v in mb.items()})
-                (out.loss_sum / tokens).backward()
-                sync()
-                parts["forward + backward"].append(time.perf_counter() - start)
-            start = time.perf_counter()
-            optimizer.step()
-            sync()
-            parts["optimizer"].append(time.perf_counter() - start)
-
-        bare = timed(bare_step, batches, sync)
-        bare_parts = {k: statistics.median(v[len(v) // (steps + 1):]) for k, v in parts.items()}
-        del model, optimizer
-        gc.collect()
+        bare_rows = {}
+        for mixed in ([False, True] if dtype != torch.float32 else [False]):
+            bare_rows[mixed] = bare_step_time(config, dtype, mixed, batches, steps, device, sync)
+            gc.collect()
+        bare, bare_parts = bare_rows[False]
         run = Config(model=config, train=TrainConfig(
             global_batch_size=micro * gas, micro_batch_size=micro, precision=precision, seed=0))
         run.data.seq_length = seq
@@ -235,6 +257,7 @@ def engine_comparison(config: ModelConfig, precision: str, micro: int, seq: int,
         tflops = flops_per_token(config, seq)["training"] * tokens_per_s / 1e12
         peak = peak_flops(device)
         results.append({"gas": gas, "bare": bare, "trainer": engine,
+                        "bare_mixed": bare_rows[True][0] if True in bare_rows else None,
                         "wrapper": type(trainer.optimizer).__name__, **bare_parts,
                         "trainer_metrics": {"tokens_per_s": tokens_per_s, "tflops": tflops,
                                             "mfu": tflops * 1e12 / peak if peak else None,
@@ -276,12 +299,18 @@ def engine_report(args) -> None:
     print(f"engine cost, {device.type}: {config.num_hidden_layers} layers, H "
           f"{config.hidden_size}, V {config.vocab_size:,}; micro-batch {micro} x {seq}, "
           f"{args.precision}; medians of {args.steps} steps")
-    print(f"{'gas':>4} {'fwd+bwd/mb':>11} {'bare opt':>9} {'bare step':>10} {'trainer':>9} "
-          f"{'engine':>9} {'bare/trainer':>13}  (seconds; trainer optimizer)")
+    print(f"{'gas':>4} {'fwd+bwd/mb':>11} {'bare opt':>9} {'bare step':>10} {'bare mp':>8} "
+          f"{'trainer':>9} {'bare/trainer':>13} {'bare mp/trainer':>16}  (seconds; trainer "
+          "optimizer)")
     for r in rows:
+        mixed = r["bare_mixed"]
         print(f"{r['gas']:>4} {r['forward + backward']:11.3f} {r['optimizer']:9.3f} "
-              f"{r['bare']:10.3f} {r['trainer']:9.3f} {r['trainer'] - r['bare']:9.3f} "
-              f"{r['bare'] / r['trainer']:12.3f}x  ({r['wrapper']})")
+              f"{r['bare']:10.3f} {mixed or float('nan'):8.3f} {r['trainer']:9.3f} "
+              f"{r['bare'] / r['trainer']:12.3f}x "
+              f"{(mixed or float('nan')) / r['trainer']:15.3f}x  ({r['wrapper']})")
+    print("bare: bf16 weights and AdamW moments (a lower bound); bare mp: the plain "
+          "mixed-precision loop (fp32 masters, gradients converted once per step, weights "
+          "copied back), what the engine replaces")
     for r in rows:
         t = r["trainer_metrics"]
         mfu = "n/a" if t["mfu"] is None else f"{t['mfu']:.1%}"

@@ -36,6 +36,7 @@ from megatron_rembert.checkpoint.step_folder import (
 from megatron_rembert.fs import HashingFile, atomic_write_json, sha256_file
 from megatron_rembert.parallel import comm
 from megatron_rembert.parallel import random as tp_random
+from megatron_rembert.training import deepspeed_private
 from megatron_rembert.training.full_tensors import load_full_tensors, load_portable
 
 RECORDS = ".hashes"  # per-rank hashes of one save, merged into manifest.json by rank 0
@@ -75,7 +76,8 @@ class GuardedCheckpointEngine(TorchCheckpointEngine):
 def _guard(engine) -> GuardedCheckpointEngine:
     current = getattr(engine, "checkpoint_engine", None)
     if not isinstance(current, GuardedCheckpointEngine):
-        engine.checkpoint_engine = GuardedCheckpointEngine(engine._config)
+        config = deepspeed_private.engine_config(engine)
+        engine.checkpoint_engine = GuardedCheckpointEngine(config)
     return engine.checkpoint_engine
 
 

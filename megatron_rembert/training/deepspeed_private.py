@@ -22,6 +22,10 @@ BF16_BUFFERS = ("bf16_groups", "fp32_groups_gradients", "fp32_groups_gradients_f
                 "fp32_groups_flat_partition", "fp32_groups_gradient_flat_partition",
                 "update_lp_params", "optimizer", "clip_grad", "overflow",
                 "_hp_optimizer_states_linked")
+# (lp-parameter groups, flat fp32 partitions) of the wrappers that partition: ZeRO 1 and 2,
+# and the BF16_Optimizer (training/lamb.py and training/full_tensors.py read them).
+FLAT_PARTITIONS = (("bit16_groups", "single_partition_of_fp32_groups"),
+                   ("bf16_groups", "fp32_groups_flat_partition"))
 SUPPORTED = "0.19"  # the minor version these names were read from (pyproject bounds it too)
 
 
@@ -104,3 +108,29 @@ def disable_engine_gradient_reduction(engine, pipeline: bool) -> None:
         engine.pipeline_enable_backward_allreduce = False
     else:
         engine.enable_backward_allreduce = False
+
+
+def engine_config(engine):
+    """The engine's parsed DeepSpeedConfig (what a checkpoint engine is built from)."""
+    return engine._config
+
+
+def set_global_grad_norm(optimizer, norm: float) -> None:
+    """The norm the engine reports (`get_global_grad_norm`) for the step just taken."""
+    optimizer._global_grad_norm = norm
+
+
+def fp32_partitions(optimizer) -> list | None:
+    """This rank's flat fp32 partitions of a partitioning wrapper (ZeRO or BF16_Optimizer);
+    None for a wrapper that keeps none (fp32 without ZeRO)."""
+    for _, flats in FLAT_PARTITIONS:
+        if getattr(optimizer, flats, None):
+            return getattr(optimizer, flats)
+    return None
+
+
+def fragment_address(param):
+    """Where this rank's fragment of `param` lies in its flat fp32 partition (`.start`,
+    `.numel`), or None when the partition holds none of it (DeepSpeed's `_hp_mapping`)."""
+    mapping = getattr(param, "_hp_mapping", None)
+    return None if mapping is None else mapping.hp_fragment_address

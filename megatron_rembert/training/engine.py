@@ -58,13 +58,15 @@ class StepStats:
 
 
 class _StepContext:
-    """One global batch in flight: its loss factor `gas * dp / global masked tokens` and the
-    running [loss_sum, tokens, correct] of this rank, both on the training device (no host
-    sync until `Trainer._finish_stats`)."""
+    """One global batch in flight: its real masked tokens (counted once, from the host
+    batches, summed over DP), its loss factor `gas * dp / tokens`, and the running
+    [loss_sum, correct] of this rank, all on the training device (no host sync until
+    `Trainer._finish_stats`)."""
 
-    def __init__(self, loss_factor: torch.Tensor):
-        self.loss_factor = loss_factor
-        self.stats = torch.zeros(3, device=loss_factor.device)
+    def __init__(self, tokens: torch.Tensor, gas_dp: int):
+        self.tokens = tokens
+        self.loss_factor = gas_dp / tokens.clamp(min=1.0)
+        self.stats = torch.zeros(2, device=tokens.device)
 
     def scaled_loss(self, out: MLMLoss | tuple, _labels=None) -> torch.Tensor:
         """Count a micro-batch's statistics; its loss sum scaled for backward. Also the
@@ -72,7 +74,6 @@ class _StepContext:
         (model/pipeline.py), the engine's own label slot is empty."""
         out = MLMLoss(*out)
         self.stats += torch.stack([out.loss_sum.detach().float(),
-                                   out.num_tokens.detach().float(),
                                    out.num_correct.detach().float()])
         return out.loss_sum * self.loss_factor
 
@@ -159,7 +160,7 @@ class Trainer:
         tokens = comm.all_reduce(torch.tensor(local, dtype=torch.float32, device=self.device),
                                  group=state.get_state().dp_group)
         dp = self.layout.dp if self.dp_average else 1
-        step = _StepContext((self.layout.gas * dp) / tokens.clamp(min=1.0))
+        step = _StepContext(tokens, self.layout.gas * dp)
         # `unpadded` becomes a Python bool here, on the host: the model picks the attention
         # call from it, and reading a device tensor would wait for the device. A pipeline runs
         # the step's micro-batches on one path: unpadded when all of them are.
@@ -174,7 +175,7 @@ class Trainer:
         if self.pipeline:  # only the last stage computed the loss
             stats = comm.all_reduce(stats, group=state.get_state().pp_group)
         stats = comm.all_reduce(stats, group=state.get_state().dp_group)
-        loss_sum, tokens, correct = stats.tolist()  # the step's one read-back
+        loss_sum, correct, tokens = torch.cat([stats, step.tokens.view(1)]).tolist()  # one read
         tokens = max(tokens, 1.0)
         return loss_sum / tokens, correct / tokens, int(tokens)
 

@@ -63,8 +63,7 @@ def load_full_tensors(engine, source: ShardSource, meta: dict) -> None:
     num_layers = int(meta["config"]["model"]["num_hidden_layers"])
     opt = engine.optimizer
     base = getattr(opt, "optimizer", opt)  # the torch optimizer inside DeepSpeed's wrapper
-    flats = (getattr(opt, "single_partition_of_fp32_groups", None)
-             or getattr(opt, "fp32_groups_flat_partition", None))
+    flats = deepspeed_private.fp32_partitions(opt)
     info = meta.get("optimizer") or {}
     steps = info.get("steps") or [0.0] * len(base.param_groups)
     if not weights_only and flats is not None:

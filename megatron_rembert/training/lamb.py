@@ -23,10 +23,7 @@ import torch
 
 from megatron_rembert.parallel import comm
 from megatron_rembert.parallel.layers import is_tp_sharded
-
-# (lp-parameter groups, flat fp32 partitions) of DeepSpeed's wrappers that partition.
-_FLAT_WRAPPERS = (("bit16_groups", "single_partition_of_fp32_groups"),  # ZeRO 1 and 2
-                  ("bf16_groups", "fp32_groups_flat_partition"))  # BF16_Optimizer
+from megatron_rembert.training import deepspeed_private
 
 
 @dataclass
@@ -52,7 +49,8 @@ class Lamb(torch.optim.Optimizer):
     def use_flat_partitions(self, wrapper) -> None:
         """DeepSpeed wrapped this optimizer in a partitioning one (ZeRO 1/2, BF16_Optimizer):
         from now on group["params"] are flat partitions, mapped back through the wrapper."""
-        if not any(hasattr(wrapper, lp) and hasattr(wrapper, hp) for lp, hp in _FLAT_WRAPPERS):
+        if not any(hasattr(wrapper, lp) and hasattr(wrapper, hp)
+                   for lp, hp in deepspeed_private.FLAT_PARTITIONS):
             raise TypeError(f"optim.name=lamb: DeepSpeed's {type(wrapper).__name__} is not a "
                             "wrapper whose partitions Lamb can map to parameters")
         self._wrapper = wrapper
@@ -66,7 +64,7 @@ class Lamb(torch.optim.Optimizer):
                           sharded=torch.tensor([is_tp_sharded(p) for p in params]))
 
     def _flat_fragments(self, index: int, flat: torch.Tensor) -> _Fragments:
-        lp_name, hp_name = next((lp, hp) for lp, hp in _FLAT_WRAPPERS
+        lp_name, hp_name = next((lp, hp) for lp, hp in deepspeed_private.FLAT_PARTITIONS
                                 if hasattr(self._wrapper, lp))
         position = next((i for i, t in enumerate(getattr(self._wrapper, hp_name)) if t is flat),
                         None)
@@ -76,10 +74,10 @@ class Lamb(torch.optim.Optimizer):
         lp_params = getattr(self._wrapper, lp_name)[position]
         starts, sizes, ids = [], [], []
         for i, lp in enumerate(lp_params):
-            mapping = getattr(lp, "_hp_mapping", None)
-            if mapping is not None:  # a fragment of this parameter is in our partition
-                starts.append(mapping.hp_fragment_address.start)
-                sizes.append(mapping.hp_fragment_address.numel)
+            address = deepspeed_private.fragment_address(lp)
+            if address is not None:  # a fragment of this parameter is in our partition
+                starts.append(address.start)
+                sizes.append(address.numel)
                 ids.append(i)
         group = self._wrapper.real_dp_process_group[position]
         fragments = _Fragments(tensors=[0] * len(ids), starts=starts, sizes=sizes,

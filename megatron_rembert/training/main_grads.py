@@ -99,10 +99,10 @@ class MainGradients:
             for flat in opt.fp32_groups_gradients_flat:
                 comm.all_reduce(flat, group=parallel.dp_group)
         norm = float(self.norm())  # the optimizer step's one host read
-        opt._global_grad_norm = norm
+        deepspeed_private.set_global_grad_norm(opt, norm)
         opt.overflow = not math.isfinite(norm)
         if opt.overflow:  # DeepSpeed's rule: skip the step, keep the weights
-            opt._global_grad_norm = float("inf")
+            deepspeed_private.set_global_grad_norm(opt, float("inf"))
             self._zero()
             return
         coef = opt.clip_grad / (norm + CLIP_EPS) if opt.clip_grad > 0 else 1.0
