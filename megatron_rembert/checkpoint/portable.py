@@ -28,7 +28,13 @@ from pathlib import Path
 import torch
 
 from megatron_rembert.checkpoint import CheckpointError
-from megatron_rembert.checkpoint.files import ST_DTYPES, SafetensorsWriter, safe_open_checked
+from megatron_rembert.checkpoint.files import (
+    ST_DTYPES,
+    SafetensorsWriter,
+    StoredTensor,
+    safe_open_checked,
+    safetensors_entries,
+)
 from megatron_rembert.checkpoint.specs import ParamSpec, shard
 from megatron_rembert.checkpoint.step_folder import commit, step_tag
 
@@ -100,6 +106,14 @@ class PortableReader:
         if file not in self._handles:
             self._handles[file] = self._stack.enter_context(safe_open_checked(self.folder / file))
         return self._handles[file]
+
+    def stored(self) -> list[StoredTensor]:
+        """Every tensor of every file index.json names, from the headers."""
+        out = []
+        for file in sorted(set(self.index.values())):
+            self._file(next(k for k, f in self.index.items() if f == file))
+            out += safetensors_entries(self._handles[file], self.folder / file)
+        return out
 
     def full(self, key: str) -> torch.Tensor:
         return self._file(key).get_tensor(key)

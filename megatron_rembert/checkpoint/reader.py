@@ -19,7 +19,11 @@ from pathlib import Path
 import torch
 
 from megatron_rembert.checkpoint import CheckpointError
-from megatron_rembert.checkpoint.files import deepspeed_safe_globals, torch_load_weights
+from megatron_rembert.checkpoint.files import (
+    StoredTensor,
+    deepspeed_safe_globals,
+    torch_load_weights,
+)
 from megatron_rembert.checkpoint.portable import PortableReader, is_portable
 from megatron_rembert.checkpoint.specs import (
     ParamSpec,
@@ -83,6 +87,34 @@ class CheckpointReader:
         if inner not in tensors:
             raise CheckpointError(f"{path}: no tensor {inner}")
         return tensors[inner]
+
+    def stored_weights(self) -> dict[tuple[str, int], StoredTensor]:
+        """Every tensor the model files hold, by (global name, TP rank), without reading
+        data: a portable checkpoint's full tensors (TP rank 0; optimizer state as
+        `exp_avg/NAME`), or DeepSpeed's TP shards (`mp_rank_XX_model_states.pt`'s `module`,
+        or the `layer_XX-model_YY` files of a pipeline). What the caller checks against the
+        model's parameters before converting."""
+        if self._portable is not None:
+            return {(t.name, 0): t for t in self._portable.stored()}
+        found, layers = {}, self.model.num_hidden_layers
+        if self.pp == 1:
+            for path in sorted(self.folder.glob("mp_rank_*_model_states.pt")):
+                module = self._load(path)
+                module = module.get("module") if isinstance(module, dict) else None
+                if not isinstance(module, dict):
+                    raise CheckpointError(f"{path}: no 'module' state dict")
+                rank = int(path.name.split("_")[2])
+                found.update({(name, rank): StoredTensor.of(path, name, value)
+                              for name, value in module.items()})
+            return found
+        for path in sorted(self.folder.glob("layer_*-model_*-model_states.pt")):
+            layer, rank = (int(part.split("_")[1]) for part in path.name.split("-")[:2])
+            tensors = self._load(path)
+            if not isinstance(tensors, dict):
+                raise CheckpointError(f"{path}: not a state dict")
+            found.update({(global_name(layer, inner, layers), rank):
+                          StoredTensor.of(path, inner, value) for inner, value in tensors.items()})
+        return found
 
     def weight_dtype(self, spec: ParamSpec) -> torch.dtype:
         """The dtype `full_weight` returns, read without merging (or touching) the tensor."""

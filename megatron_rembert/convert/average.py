@@ -30,7 +30,13 @@ from megatron_rembert.checkpoint.reader import CheckpointReader, model_config
 from megatron_rembert.checkpoint.specs import ParamSpec, param_specs
 from megatron_rembert.checkpoint.step_folder import resolve_checkpoint
 from megatron_rembert.config import EXECUTION_FIELDS, ModelConfig
-from megatron_rembert.convert.files import ConvertError, check_out_apart, staged_output
+from megatron_rembert.convert.files import (
+    ConvertError,
+    check_out_apart,
+    checkpoint_inputs,
+    staged_output,
+)
+from megatron_rembert.convert.tensor_check import check_checkpoint
 
 
 def check_same_model(models: list[ModelConfig], folders: list[Path]) -> None:
@@ -57,14 +63,15 @@ def master_weight(reader: CheckpointReader) -> Callable[[ParamSpec], torch.Tenso
 
 def average(checkpoints: list[str], out: str, force: bool, log=print) -> Path:
     """Write the mean weights of `checkpoints` (step or save folders) as `out/step_N/`, N the
-    newest input's step. Everything is checked before any tensor is read."""
+    newest input's step. Everything (inputs, models, every stored tensor's name, shape and
+    dtype) is checked before any tensor's data is read."""
     if len(checkpoints) < 2:
         raise ConvertError(f"--checkpoints: got {len(checkpoints)} checkpoint; averaging needs "
                            "at least 2")
     inputs = [resolve_checkpoint(c) for c in checkpoints]
     folders, metas = [i.path for i in inputs], [i.meta for i in inputs]
-    for folder in folders:
-        check_out_apart(out, folder)
+    for given, folder in zip(checkpoints, folders, strict=True):
+        check_out_apart(out, checkpoint_inputs("--checkpoints", given, folder))
     check_same_model([model_config(m, f / "meta.json") for m, f in zip(metas, folders,
                                                                          strict=True)], folders)
     tokenizers = {m.get("tokenizer_sha256") for m in metas} - {None}
@@ -75,6 +82,8 @@ def average(checkpoints: list[str], out: str, force: bool, log=print) -> Path:
     step = int(metas[newest]["step"])
     with ExitStack() as stack:  # opening verifies every file against its manifest
         readers = [stack.enter_context(CheckpointReader(i)) for i in inputs]
+        for reader in readers:
+            check_checkpoint(reader)
         weights = [master_weight(r) for r in readers]
         specs = param_specs(readers[0].model, 1)
 
