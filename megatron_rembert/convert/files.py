@@ -39,11 +39,9 @@ def checkpoint_inputs(flag: str, given: str | Path, folder: str | Path) -> list[
     """What a checkpoint argument reads, as `check_out_apart` inputs: the path given, the step
     folder it resolved to, and the save folder holding that step folder (replacing it would
     delete the run's checkpoints), both as named and through symlinks."""
-    inputs = [(flag, Path(given)), (flag, Path(folder))]
-    for step in (Path(folder), Path(folder).resolve()):
-        if step.name.startswith("step_"):
-            inputs.append(("the checkpoint's own save folder", step.parent))
-    return inputs
+    inputs = [("the checkpoint's own save folder", step.parent)
+              for step in (Path(folder), Path(folder).resolve()) if step.name.startswith("step_")]
+    return [*inputs, (flag, Path(given)), (flag, Path(folder))]
 
 
 def check_out_apart(out: str | Path, inputs: list[tuple[str, str | Path | None]]) -> None:
