@@ -196,3 +196,27 @@ def test_checkpoint_out_kept_apart_from_every_input(hf_dir, tmp_path, capsys):
         _refused(["to-hf", "--checkpoint", save, "--tokenizer", tokenizer, "--out", out,
                   "--force"], capsys, f"--out {out}")
     assert _hashes(save) == before and tokenizer.exists()
+
+
+def test_weights_are_read_only_by_safetensors_or_guarded_torch_load():
+    """Every `torch.load` in the package is the one guarded call (checkpoint/files.py,
+    weights_only=True), and nothing unpickles otherwise: a file from outside can carry code
+    only through a pickle."""
+    import ast
+
+    package = Path(__file__).resolve().parents[2] / "megatron_rembert"
+    loads = []
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+                continue
+            owner = node.func.value
+            called = f"{getattr(owner, 'id', '?')}.{node.func.attr}"
+            keywords = {k.arg: getattr(k.value, "value", None) for k in node.keywords}
+            if called in ("pickle.load", "pickle.loads", "torch.load") or (
+                    called == "np.load" and keywords.get("allow_pickle")):
+                loads.append((str(path.relative_to(package)), called, keywords))
+    # data/loader.py unpickles only what its own parent process pickled for its workers.
+    assert [(f, c) for f, c, _ in loads] == [("checkpoint/files.py", "torch.load"),
+                                             ("data/loader.py", "pickle.loads")], loads
+    assert loads[0][2].get("weights_only") is True
