@@ -89,3 +89,25 @@ def add_copy(name: str, new: str) -> Callable[[Tensors], None]:
     def edit(tensors: Tensors) -> None:
         tensors[new] = tensors[name].clone()
     return edit
+
+
+def copy_deepspeed_step(step: Path, out: Path, file: str | None = None,
+                        edit: Callable[[Tensors], object] | None = None,
+                        model: dict | None = None) -> Path:
+    """A copy of one of the trainer's DeepSpeed step folders (into `out`, a new save folder)
+    with the state dict of `file` edited (`module` of an mp_rank file, the whole dict of a
+    pipeline layer file) and/or meta.json's model fields replaced; the manifest rewritten."""
+    from megatron_rembert.checkpoint.files import deepspeed_safe_globals, torch_load_weights
+
+    folder = out / step.name
+    shutil.copytree(step, folder)
+    if edit is not None:
+        data = torch_load_weights(folder / file, mmap=False, allowed=deepspeed_safe_globals())
+        edit(data["module"] if file.startswith("mp_rank_") else data)
+        torch.save(data, folder / file)
+    if model:
+        meta = json.loads((folder / "meta.json").read_text())
+        meta["config"]["model"].update(model)
+        (folder / "meta.json").write_text(json.dumps(meta))
+    write_manifest(folder, {})
+    return folder
