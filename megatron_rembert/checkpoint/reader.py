@@ -170,6 +170,27 @@ class CheckpointReader:
             fragments.sort(key=lambda f: f[0])
         return index
 
+    def stored_optimizer(self) -> dict[tuple[str, int], StoredTensor]:
+        """What the ZeRO files hold of each parameter, by (global name, TP rank), without
+        merging anything: the total size of its fragments as a 1-d shape, and the dtype of
+        the flat partitions they lie in (the fp32 master weights' or, if not float32, the
+        first Adam moment's that is not). Names come from `param_slice_mappings`."""
+        if self._optim_index is None:
+            self._optim_index = self._index_optimizer()
+        found = {}
+        for (tp_rank, name), fragments in self._optim_index.items():
+            dtypes = []
+            for _, path, group, _, _ in fragments:
+                osd = self._load(path)["optimizer_state_dict"]
+                moments = osd["base_optimizer_state"]["state"].get(group, {})
+                flats = [osd["single_partition_of_fp32_groups"][group],
+                         *(moments[k] for k in ("exp_avg", "exp_avg_sq") if k in moments)]
+                dtypes += [StoredTensor.of(path, name, flat).dtype for flat in flats]
+            dtype = next((d for d in dtypes if d != "float32"), "float32")
+            found[(name, tp_rank)] = StoredTensor(fragments[0][1], name,
+                                                  (sum(f[4] for f in fragments),), dtype)
+        return found
+
     def _global_name(self, engine_name: str) -> str:
         if self.pp == 1:
             return engine_name

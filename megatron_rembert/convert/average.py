@@ -52,11 +52,15 @@ def check_same_model(models: list[ModelConfig], folders: list[Path]) -> None:
                     f"has {first!r}; only checkpoints of one model can be averaged")
 
 
+def uses_zero_files(reader: CheckpointReader) -> bool:
+    return not reader.portable and any(reader.folder.glob("zero_pp_rank_*_optim_states.pt"))
+
+
 def master_weight(reader: CheckpointReader) -> Callable[[ParamSpec], torch.Tensor]:
     """The most precise copy of each weight the checkpoint holds: the fp32 master weight from
     the ZeRO optimizer files if there are any (a bf16 run's module weights are rounded), else
     the weight as stored (a portable checkpoint stores the master weight as the weight)."""
-    if not reader.portable and any(reader.folder.glob("zero_pp_rank_*_optim_states.pt")):
+    if uses_zero_files(reader):
         return lambda spec: reader.full_state(spec, "fp32")
     return reader.full_weight
 
@@ -83,7 +87,7 @@ def average(checkpoints: list[str], out: str, force: bool, log=print) -> Path:
     with ExitStack() as stack:  # opening verifies every file against its manifest
         readers = [stack.enter_context(CheckpointReader(i)) for i in inputs]
         for reader in readers:
-            check_checkpoint(reader)
+            check_checkpoint(reader, optimizer=uses_zero_files(reader))
         weights = [master_weight(r) for r in readers]
         specs = param_specs(readers[0].model, 1)
 

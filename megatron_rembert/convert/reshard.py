@@ -35,11 +35,11 @@ def reshard(checkpoint: str, out: str, tp: int | None, pp: int | None, force: bo
     source = resolve_checkpoint(checkpoint)
     check_out_apart(out, checkpoint_inputs("--checkpoint", checkpoint, source.path))
     with CheckpointReader(source) as reader:
-        check_checkpoint(reader)
         tp = reader.tp if tp is None else tp
         pp = reader.pp if pp is None else pp
-        check_tp_pp(reader.model, tp, pp)
         weights_only = weights_only or reader.weights_only
+        check_checkpoint(reader, optimizer=not weights_only)
+        check_tp_pp(reader.model, tp, pp)
         specs = param_specs(reader.model, 1)
         config = copy.deepcopy(reader.meta["config"])
         parallel = config.setdefault("parallel", {})

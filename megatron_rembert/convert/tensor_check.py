@@ -15,6 +15,7 @@ naming the file and the tensor, never converted:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Hashable, Mapping
 
 from megatron_rembert.checkpoint.files import StoredTensor
@@ -57,14 +58,21 @@ def check_tensors(found: Mapping[Hashable, StoredTensor],
                                f"model {model_source} describes needs {tuple(shape)}")
 
 
-def check_checkpoint(reader: CheckpointReader) -> None:
+def check_checkpoint(reader: CheckpointReader, optimizer: bool = False) -> None:
     """A checkpoint's model files against its meta.json's model: every parameter's TP shard
-    (DeepSpeed's files) or full tensor and, when stored, its Adam moments (portable)."""
+    (DeepSpeed's files) or full tensor and, when stored, its Adam moments (portable).
+    optimizer: also DeepSpeed's ZeRO files (what reshard and average read of them: each
+    parameter's fp32 master weight and moments, by the size of their fragments)."""
+    source = str(reader.folder / "meta.json")
     if reader.portable:
         keys = [""] if reader.weights_only else ["", "exp_avg/", "exp_avg_sq/"]
         expected = {(k + s.name, 0): s.shape for s in reader.specs for k in keys}
     else:
         expected = {(s.name, rank): s.local_shape(reader.tp) for s in reader.specs
                     for rank in range(reader.tp)}
-    check_tensors(reader.stored_weights(), expected, str(reader.folder / "meta.json"),
-                  label=lambda key: key[0] if reader.portable else f"{key[0]} (TP rank {key[1]})")
+    label = (lambda key: key[0]) if reader.portable else (
+        lambda key: f"{key[0]} (TP rank {key[1]})")
+    check_tensors(reader.stored_weights(), expected, source, label)
+    if optimizer and not reader.portable:
+        sizes = {key: (math.prod(shape),) for key, shape in expected.items()}
+        check_tensors(reader.stored_optimizer(), sizes, source, label)
