@@ -223,3 +223,24 @@ def test_weights_are_read_only_by_safetensors_or_guarded_torch_load():
     assert [(f, c) for f, c, _ in loads] == [("checkpoint/files.py", "torch.load"),
                                              ("data/loader.py", "pickle.loads")], loads
     assert loads[0][2].get("weights_only") is True
+
+
+def test_trained_output_embedding_is_not_dropped_for_a_tied_config(tmp_path, capsys):
+    """A training config with tied embeddings has no output embedding parameter: the
+    transformers decoder weight (trained apart from the input embedding) is refused by name,
+    not dropped."""
+    import transformers
+
+    from megatron_rembert.convert.hf import HF_FIELDS, hf_config_dict
+    from tests.model.helpers import small_config
+
+    model = small_config(input_embedding_size=40)  # tying needs equal embedding sizes
+    transformers.RemBertForMaskedLM(transformers.RemBertConfig(
+        **hf_config_dict(model))).save_pretrained(tmp_path / "hf")
+    capsys.readouterr()  # transformers' progress bar
+    config = tmp_path / "tied.yaml"
+    config.write_text("model:\n" + "".join(f"  {k}: {getattr(model, k)}\n" for k in HF_FIELDS)
+                      + "  tie_embeddings: true\n")
+    _refused(["from-hf", "--model", tmp_path / "hf", "--config", config, "--out",
+              tmp_path / "o"], capsys, "tensor cls.predictions.decoder.weight is not a parameter")
+    assert not (tmp_path / "o").exists()
