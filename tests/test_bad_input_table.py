@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_rembert.convert.__main__ import main as convert_main
 from megatron_rembert.prep import commands
@@ -102,7 +103,68 @@ CASES = [
      "--out", "{o}", "--tp", "1", "--pp", "1"], "a_file"),
     ("convert-missing-model", "convert", ["from-hf", "--model", "{d}/nope", "--out", "{o}"],
      "nope"),
+    # issue 30: conversions check what they read. Every stored tensor's name, shape and dtype
+    # against the model the config describes, before anything is written; --out never is,
+    # holds or lies inside an input, --force or not. Inputs from the `convert_inputs` fixture
+    # ({d}/conv/...): a small transformers model, its from-hf checkpoint, tampered copies.
+    ("convert-from-hf-config-fewer-layers", "convert", [
+        "from-hf", "--model", "{d}/conv/fewer_layers", "--out", "{o}"],
+     "tensor rembert.encoder.layer.2."),
+    ("convert-from-hf-int8-weight", "convert", [
+        "from-hf", "--model", "{d}/conv/int8", "--out", "{o}"],
+     "tensor cls.predictions.dense.weight has dtype int8"),
+    ("convert-from-hf-out-is-model-force", "convert", [
+        "from-hf", "--model", "{d}/conv/model", "--out", "{d}/conv/model", "--force"], "--out"),
+    ("convert-from-hf-out-inside-model-via-link", "convert", [
+        "from-hf", "--model", "{d}/conv/model_link", "--out", "{d}/conv/model/ckpt"], "--out"),
+    ("convert-reshard-wrong-shape", "convert", [
+        "reshard", "--checkpoint", "{d}/conv/bad_shape", "--out", "{o}"],
+     "tensor rembert.layers.0.ffn.output.weight has shape"),
+    ("convert-average-float64", "convert", [
+        "average", "--checkpoints", "{d}/conv/ckpt", "{d}/conv/float64", "--out", "{o}"],
+     "tensor mlm_head.dense.weight has dtype float64"),
+    ("convert-to-hf-missing-tensor", "convert", [
+        "to-hf", "--checkpoint", "{d}/conv/missing", "--out", "{o}"],
+     "tensor rembert.embeddings.layer_norm.bias"),
+    ("convert-to-hf-out-holds-tokenizer-force", "convert", [
+        "to-hf", "--checkpoint", "{d}/conv/ckpt", "--tokenizer", "{d}/conv/tok/spm.model",
+        "--out", "{d}/conv/tok", "--force"], "--out"),
+    ("convert-reshard-out-links-to-save-folder-force", "convert", [
+        "reshard", "--checkpoint", "{d}/conv/ckpt", "--out", "{d}/conv/ckpt_link", "--force"],
+     "--out"),
 ]
+
+
+@pytest.fixture(scope="module")
+def convert_inputs(files) -> Path:
+    """{d}/conv: a small transformers RemBERT folder (`model`), its from-hf checkpoint
+    (`ckpt`) and copies a converter must refuse (tests/convert/tampering.py)."""
+    pytest.importorskip("transformers")
+    from tests.convert.tampering import (
+        copy_checkpoint,
+        copy_hf,
+        drop,
+        reshape,
+        save_hf_model,
+        set_dtype,
+    )
+
+    conv = files / "conv"
+    model = save_hf_model(conv / "model")
+    copy_hf(model, conv / "fewer_layers", config={"num_hidden_layers": 2})
+    copy_hf(model, conv / "int8", set_dtype("cls.predictions.dense.weight", torch.int8))
+    assert convert_main(["from-hf", "--model", str(model), "--out", str(conv / "ckpt")]) == 0
+    copy_checkpoint(conv / "ckpt", conv / "bad_shape", "layer_01.safetensors",
+                    reshape("rembert.layers.0.ffn.output.weight"))
+    copy_checkpoint(conv / "ckpt", conv / "float64", "layer_04.safetensors",
+                    set_dtype("mlm_head.dense.weight", torch.float64))
+    copy_checkpoint(conv / "ckpt", conv / "missing", "layer_00.safetensors",
+                    drop("rembert.embeddings.layer_norm.bias"))
+    (conv / "tok").mkdir()
+    (conv / "tok" / "spm.model").write_bytes(b"not read: --out is refused first")
+    (conv / "ckpt_link").symlink_to(conv / "ckpt")
+    (conv / "model_link").symlink_to(model)
+    return conv
 
 
 def _main(tool: str):
@@ -130,8 +192,10 @@ def _snapshot(folder: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_bad_input_is_one_error_line(case, files, tmp_path, capsys):
+def test_bad_input_is_one_error_line(case, files, tmp_path, capsys, request):
     _, tool, argv, names = case
+    if any("{d}/conv/" in a for a in argv):
+        request.getfixturevalue("convert_inputs")
     out = tmp_path / "out"
     fill = {"d": str(files), "o": str(out)}
     before = _snapshot(files)

@@ -17,6 +17,7 @@ import re
 import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,36 @@ ZIP_MAGIC = b"PK\x03\x04"
 ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
               torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.int8: "I8",
               torch.uint8: "U8", torch.bool: "BOOL"}
+_ST_NAMES = {st: str(dt).removeprefix("torch.") for dt, st in ST_DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """What a file says of one tensor, read without its data (a safetensors header, a
+    memory-mapped pickle): the file, the name it is stored under, its shape and dtype in torch's
+    spelling (`float32`, `int8`; safetensors' own for types torch lacks; `not a tensor (T)` for
+    other pickled values), so a converter can check a file before converting any of it."""
+
+    file: Path
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @classmethod
+    def of(cls, file: Path, name: str, value: Any) -> StoredTensor:
+        if not isinstance(value, torch.Tensor):
+            return cls(file, name, (), f"not a tensor ({type(value).__name__})")
+        return cls(file, name, tuple(value.shape), str(value.dtype).removeprefix("torch."))
+
+
+def safetensors_entries(handle: Any, file: Path) -> list[StoredTensor]:
+    """Every tensor of an open safetensors file, from its header."""
+    out = []
+    for name in handle.keys():
+        sliced = handle.get_slice(name)
+        out.append(StoredTensor(file, name, tuple(sliced.get_shape()),
+                                _ST_NAMES.get(sliced.get_dtype(), sliced.get_dtype())))
+    return out
 
 
 class SafetensorsWriter:

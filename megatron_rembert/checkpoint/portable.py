@@ -28,7 +28,13 @@ from pathlib import Path
 import torch
 
 from megatron_rembert.checkpoint import CheckpointError
-from megatron_rembert.checkpoint.files import ST_DTYPES, SafetensorsWriter, safe_open_checked
+from megatron_rembert.checkpoint.files import (
+    ST_DTYPES,
+    SafetensorsWriter,
+    StoredTensor,
+    safe_open_checked,
+    safetensors_entries,
+)
 from megatron_rembert.checkpoint.specs import ParamSpec, shard
 from megatron_rembert.checkpoint.step_folder import commit, step_tag
 
@@ -96,10 +102,17 @@ class PortableReader:
     def _file(self, key: str):
         if key not in self.index:
             raise CheckpointError(f"{self.folder / INDEX}: no tensor {key}")
-        file = self.index[key]
+        return self._open(self.index[key])
+
+    def _open(self, file: str):
         if file not in self._handles:
             self._handles[file] = self._stack.enter_context(safe_open_checked(self.folder / file))
         return self._handles[file]
+
+    def stored(self) -> list[StoredTensor]:
+        """Every tensor of every file index.json names, from the headers."""
+        return [t for file in sorted(set(self.index.values()))
+                for t in safetensors_entries(self._open(file), self.folder / file)]
 
     def full(self, key: str) -> torch.Tensor:
         return self._file(key).get_tensor(key)

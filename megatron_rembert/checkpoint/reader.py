@@ -19,7 +19,11 @@ from pathlib import Path
 import torch
 
 from megatron_rembert.checkpoint import CheckpointError
-from megatron_rembert.checkpoint.files import deepspeed_safe_globals, torch_load_weights
+from megatron_rembert.checkpoint.files import (
+    StoredTensor,
+    deepspeed_safe_globals,
+    torch_load_weights,
+)
 from megatron_rembert.checkpoint.portable import PortableReader, is_portable
 from megatron_rembert.checkpoint.specs import (
     ParamSpec,
@@ -84,6 +88,34 @@ class CheckpointReader:
             raise CheckpointError(f"{path}: no tensor {inner}")
         return tensors[inner]
 
+    def stored_weights(self) -> dict[tuple[str, int], StoredTensor]:
+        """Every tensor the model files hold, by (global name, TP rank), without reading
+        data: a portable checkpoint's full tensors (TP rank 0; optimizer state as
+        `exp_avg/NAME`), or DeepSpeed's TP shards (`mp_rank_XX_model_states.pt`'s `module`,
+        or the `layer_XX-model_YY` files of a pipeline). What the caller checks against the
+        model's parameters before converting."""
+        if self._portable is not None:
+            return {(t.name, 0): t for t in self._portable.stored()}
+        found, layers = {}, self.model.num_hidden_layers
+        if self.pp == 1:
+            for path in sorted(self.folder.glob("mp_rank_*_model_states.pt")):
+                module = self._load(path)
+                module = module.get("module") if isinstance(module, dict) else None
+                if not isinstance(module, dict):
+                    raise CheckpointError(f"{path}: no 'module' state dict")
+                rank = int(path.name.split("_")[2])
+                found.update({(name, rank): StoredTensor.of(path, name, value)
+                              for name, value in module.items()})
+            return found
+        for path in sorted(self.folder.glob("layer_*-model_*-model_states.pt")):
+            layer, rank = (int(part.split("_")[1]) for part in path.name.split("-")[:2])
+            tensors = self._load(path)
+            if not isinstance(tensors, dict):
+                raise CheckpointError(f"{path}: not a state dict")
+            found.update({(global_name(layer, inner, layers), rank):
+                          StoredTensor.of(path, inner, value) for inner, value in tensors.items()})
+        return found
+
     def weight_dtype(self, spec: ParamSpec) -> torch.dtype:
         """The dtype `full_weight` returns, read without merging (or touching) the tensor."""
         if self._portable is not None:
@@ -137,6 +169,27 @@ class CheckpointReader:
         for fragments in index.values():
             fragments.sort(key=lambda f: f[0])
         return index
+
+    def stored_optimizer(self) -> dict[tuple[str, int], StoredTensor]:
+        """What the ZeRO files hold of each parameter, by (global name, TP rank), without
+        merging anything: the total size of its fragments as a 1-d shape, and the dtype of
+        the flat partitions they lie in (the fp32 master weights' or, if not float32, the
+        first Adam moment's that is not). Names come from `param_slice_mappings`."""
+        if self._optim_index is None:
+            self._optim_index = self._index_optimizer()
+        found = {}
+        for (tp_rank, name), fragments in self._optim_index.items():
+            dtypes = []
+            for _, path, group, _, _ in fragments:
+                osd = self._load(path)["optimizer_state_dict"]
+                moments = osd["base_optimizer_state"]["state"].get(group, {})
+                flats = [osd["single_partition_of_fp32_groups"][group],
+                         *(moments[k] for k in ("exp_avg", "exp_avg_sq") if k in moments)]
+                dtypes += [StoredTensor.of(path, name, flat).dtype for flat in flats]
+            dtype = next((d for d in dtypes if d != "float32"), "float32")
+            found[(name, tp_rank)] = StoredTensor(fragments[0][1], name,
+                                                  (sum(f[4] for f in fragments),), dtype)
+        return found
 
     def _global_name(self, engine_name: str) -> str:
         if self.pp == 1:

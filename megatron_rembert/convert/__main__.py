@@ -1,7 +1,9 @@
 """python -m megatron_rembert.convert {to-hf, from-hf, reshard, export-encoder, average} ...
 
 See docs/convert.md. Every command writes into a temporary folder next to --out and renames it
-at the end; a non-empty --out is refused unless --force.
+at the end; a non-empty --out is refused unless --force. Before anything is written, every
+stored tensor is checked against the model (convert/tensor_check.py) and --out is kept apart
+from every input (convert/files.py: check_out_apart).
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from megatron_rembert.cli import prog, run_cli
 DESCRIPTION = ("Convert checkpoints to and from transformers RemBERT folders, and between "
                "TP x PP layouts. Every command writes into a temporary folder next to --out "
                "and renames it at the end; a non-empty --out is refused unless --force. "
-               "See docs/convert.md.")
+               "Before anything is written, every tensor read is checked against the model "
+               "(name, shape, dtype) and --out may not be, hold or lie inside an input, "
+               "--force or not. See docs/convert.md.")
 CHECKPOINT_HELP = ("a step_XXXXXXXX folder, or a save folder (train.save_dir, or the --out of "
                    "from-hf/reshard): the checkpoint its 'latest' names")
 

@@ -30,7 +30,13 @@ from megatron_rembert.checkpoint.reader import CheckpointReader, model_config
 from megatron_rembert.checkpoint.specs import ParamSpec, param_specs
 from megatron_rembert.checkpoint.step_folder import resolve_checkpoint
 from megatron_rembert.config import EXECUTION_FIELDS, ModelConfig
-from megatron_rembert.convert.files import ConvertError, check_out_apart, staged_output
+from megatron_rembert.convert.files import (
+    ConvertError,
+    check_out_apart,
+    checkpoint_inputs,
+    staged_output,
+)
+from megatron_rembert.convert.tensor_check import check_checkpoint
 
 
 def check_same_model(models: list[ModelConfig], folders: list[Path]) -> None:
@@ -46,25 +52,30 @@ def check_same_model(models: list[ModelConfig], folders: list[Path]) -> None:
                     f"has {first!r}; only checkpoints of one model can be averaged")
 
 
+def uses_zero_files(reader: CheckpointReader) -> bool:
+    return not reader.portable and any(reader.folder.glob("zero_pp_rank_*_optim_states.pt"))
+
+
 def master_weight(reader: CheckpointReader) -> Callable[[ParamSpec], torch.Tensor]:
     """The most precise copy of each weight the checkpoint holds: the fp32 master weight from
     the ZeRO optimizer files if there are any (a bf16 run's module weights are rounded), else
     the weight as stored (a portable checkpoint stores the master weight as the weight)."""
-    if not reader.portable and any(reader.folder.glob("zero_pp_rank_*_optim_states.pt")):
+    if uses_zero_files(reader):
         return lambda spec: reader.full_state(spec, "fp32")
     return reader.full_weight
 
 
 def average(checkpoints: list[str], out: str, force: bool, log=print) -> Path:
     """Write the mean weights of `checkpoints` (step or save folders) as `out/step_N/`, N the
-    newest input's step. Everything is checked before any tensor is read."""
+    newest input's step. Everything (inputs, models, every stored tensor's name, shape and
+    dtype) is checked before any tensor's data is read."""
     if len(checkpoints) < 2:
         raise ConvertError(f"--checkpoints: got {len(checkpoints)} checkpoint; averaging needs "
                            "at least 2")
     inputs = [resolve_checkpoint(c) for c in checkpoints]
     folders, metas = [i.path for i in inputs], [i.meta for i in inputs]
-    for folder in folders:
-        check_out_apart(out, folder)
+    for given, folder in zip(checkpoints, folders, strict=True):
+        check_out_apart(out, checkpoint_inputs("--checkpoints", given, folder))
     check_same_model([model_config(m, f / "meta.json") for m, f in zip(metas, folders,
                                                                          strict=True)], folders)
     tokenizers = {m.get("tokenizer_sha256") for m in metas} - {None}
@@ -75,6 +86,8 @@ def average(checkpoints: list[str], out: str, force: bool, log=print) -> Path:
     step = int(metas[newest]["step"])
     with ExitStack() as stack:  # opening verifies every file against its manifest
         readers = [stack.enter_context(CheckpointReader(i)) for i in inputs]
+        for reader in readers:
+            check_checkpoint(reader, optimizer=uses_zero_files(reader))
         weights = [master_weight(r) for r in readers]
         specs = param_specs(readers[0].model, 1)
 

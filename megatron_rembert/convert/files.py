@@ -3,7 +3,8 @@
 - `staged_output` writes into a hidden folder next to the output and renames it at the end:
   an error or a kill leaves no half-written output. The folder gets the mode `mkdir` would
   give (the user's umask), not mkdtemp's 0700, so a cluster group can read the export.
-- `check_out_apart` keeps --out away from the checkpoint's own save folder.
+- `check_out_apart` keeps --out away from every input (`checkpoint_inputs`: a checkpoint's
+  own save folder too).
 - `check_tp_pp`: can the model be built at --tp x --pp (the trainer's own check).
 Reading and writing tensors (safetensors, guarded torch loads) is megatron_rembert/checkpoint.
 """
@@ -34,16 +35,29 @@ def check_tp_pp(model: ModelConfig, tp: int, pp: int) -> None:
         raise ConvertError(f"--tp {tp} --pp {pp}: {err}") from err
 
 
-def check_out_apart(out: str | Path, checkpoint: str | Path) -> None:
-    """Refuse an --out that is, or lies inside, the checkpoint's own save folder (or holds
-    it): replacing it would delete the run's checkpoints. Checked before anything is written."""
-    out, folder = Path(out).resolve(), Path(checkpoint).resolve()
-    save_dir = folder.parent
-    if not folder.name.startswith("step_"):
-        return
-    if out == save_dir or out.is_relative_to(save_dir) or save_dir.is_relative_to(out):
-        raise ConvertError(f"--out {out}: is or overlaps the checkpoint's own save folder "
-                           f"{save_dir}; write the conversion to a separate folder")
+def checkpoint_inputs(flag: str, given: str | Path, folder: str | Path) -> list[tuple[str, Path]]:
+    """What a checkpoint argument reads, as `check_out_apart` inputs: the path given, the step
+    folder it resolved to, and the save folder holding that step folder (replacing it would
+    delete the run's checkpoints), both as named and through symlinks."""
+    inputs = [("the checkpoint's own save folder", step.parent)
+              for step in (Path(folder), Path(folder).resolve()) if step.name.startswith("step_")]
+    return [*inputs, (flag, Path(given)), (flag, Path(folder))]
+
+
+def check_out_apart(out: str | Path, inputs: list[tuple[str, str | Path | None]]) -> None:
+    """Refuse an --out that is, holds or lies inside any input (a model folder, a checkpoint,
+    its save folder, a tokenizer, a config file), resolved through symlinks, --force or not:
+    replacing --out would delete the input, writing inside it would change it. `inputs`:
+    (what it is, path) pairs; None paths are skipped. Checked before anything is written."""
+    target = Path(out).resolve()
+    for what, path in inputs:
+        if path is None:
+            continue
+        source = Path(path).resolve()
+        if target == source or target.is_relative_to(source) or source.is_relative_to(target):
+            name = what if what.startswith("the ") else f"the {what} input"
+            raise ConvertError(f"--out {out}: is, holds or lies inside {name} {path}; write "
+                               "the conversion to a separate folder")
 
 
 def current_umask() -> int:

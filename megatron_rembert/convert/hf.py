@@ -96,7 +96,11 @@ def our_names(hf: Iterable[str], where: str) -> tuple[dict[str, str], list[str]]
         if full.startswith("rembert.pooler."):
             dropped.append(name)  # the pre-training model has no pooler
             continue
-        ours[_rename(full, _HF_TO_OURS, where)] = name
+        mine = _rename(full, _HF_TO_OURS, where)
+        if mine in ours:  # e.g. both `rembert.X` and `X`: which one is the weight?
+            raise ConvertError(f"{where}: tensors {ours[mine]!r} and {name!r} are the same "
+                               "parameter; keep one")
+        ours[mine] = name
     return ours, dropped
 
 

@@ -9,7 +9,9 @@ import torch
 
 from megatron_rembert.checkpoint.files import (
     SafetensorsWriter,
+    StoredTensor,
     safe_open_checked,
+    safetensors_entries,
     torch_load_weights,
 )
 from megatron_rembert.checkpoint.portable import write_portable
@@ -21,6 +23,7 @@ from megatron_rembert.convert.files import (
     ConvertError,
     check_out_apart,
     check_tp_pp,
+    checkpoint_inputs,
     staged_output,
 )
 from megatron_rembert.convert.hf import (
@@ -30,6 +33,7 @@ from megatron_rembert.convert.hf import (
     hf_names,
     our_names,
 )
+from megatron_rembert.convert.tensor_check import check_checkpoint, check_tensors
 from megatron_rembert.convert.tokenizer_files import check_tokenizer, write_tokenizer
 from megatron_rembert.parallel import state
 from megatron_rembert.run_config import Config, load_config
@@ -43,12 +47,14 @@ def export_hf(checkpoint: str, out: str, tokenizer: str | None, force: bool,
               encoder_only: bool = False, log=print) -> dict:
     """Write a transformers `RemBertForMaskedLM` (or, encoder_only, `RemBertModel`) folder."""
     source = resolve_checkpoint(checkpoint)
+    spm_path = tokenizer or source.meta["config"].get("data", {}).get("tokenizer")
+    check_out_apart(out, [*checkpoint_inputs("--checkpoint", checkpoint, source.path),
+                          ("--tokenizer" if tokenizer else "data.tokenizer", spm_path)])
     with CheckpointReader(source) as reader:
-        check_out_apart(out, source.path)
+        check_checkpoint(reader)
         model = reader.model
         specs = param_specs(model, 1)
         kept = [s for s in specs if not (encoder_only and s.name.startswith("mlm_head."))]
-        spm_path = tokenizer or reader.meta["config"].get("data", {}).get("tokenizer")
         if spm_path:
             data = reader.meta["config"].get("data", {})
             check_tokenizer(Path(spm_path), model.vocab_size, reader.meta.get("tokenizer_sha256"),
@@ -83,32 +89,53 @@ def export_hf(checkpoint: str, out: str, tokenizer: str | None, force: bool,
 
 # -- transformers -> ours ---------------------------------------------------------------
 class _HFWeights:
-    """Lazy access to a transformers folder's tensors by name (safetensors or .bin)."""
+    """A transformers folder's tensors by name (safetensors, sharded safetensors or .bin):
+    `stored` lists them from the headers (or the memory-mapped pickle), `get` reads one."""
 
     def __init__(self, folder: Path):
-        self.files: dict[str, Path] = {}
+        self.stored: dict[str, StoredTensor] = {}
         single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
+        self._bin: dict | None = None
         if single.exists():
-            with safe_open_checked(single) as f:
-                self.files = dict.fromkeys(f.keys(), single)
+            files = [single]
         elif index.exists():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (OSError, json.JSONDecodeError, KeyError) as err:
-                raise ConvertError(f"{index}: unreadable ({err})") from err
-            self.files = {k: folder / v for k, v in weight_map.items()}
+            files = self._indexed_files(folder, index)
         elif (folder / "pytorch_model.bin").exists():
-            self._bin = torch_load_weights(folder / "pytorch_model.bin")
-            self.files = dict.fromkeys(self._bin, folder / "pytorch_model.bin")
+            path = folder / "pytorch_model.bin"
+            self._bin = torch_load_weights(path)
+            if not isinstance(self._bin, dict):
+                raise ConvertError(f"{path}: not a state dict (a {type(self._bin).__name__})")
+            self.stored = {k: StoredTensor.of(path, str(k), v) for k, v in self._bin.items()}
+            return
         else:
             raise ConvertError(f"--model {folder}: no model.safetensors, "
                                "model.safetensors.index.json or pytorch_model.bin")
+        for path in files:
+            with safe_open_checked(path) as f:
+                self.stored.update({t.name: t for t in safetensors_entries(f, path)})
+
+    @staticmethod
+    def _indexed_files(folder: Path, index: Path) -> list[Path]:
+        """The shards an index names, each inside the model folder (no `..`, no absolute
+        path, no symlink out of it)."""
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
+            raise ConvertError(f"{index}: unreadable ({err})") from err
+        files = []
+        for name in names:
+            path = folder / str(name)
+            if not path.resolve().is_relative_to(folder.resolve()):
+                raise ConvertError(f"{index}: shard {name!r} lies outside {folder}; a "
+                                   "model's files must be inside its folder")
+            files.append(path)
+        return files
 
     def get(self, name: str) -> torch.Tensor:
-        path = self.files[name]
-        if path.suffix == ".bin":
+        if self._bin is not None:
             return self._bin[name]
-        with safe_open_checked(path) as f:
+        with safe_open_checked(self.stored[name].file) as f:
             return f.get_tensor(name)
 
 
@@ -126,6 +153,7 @@ def import_hf(model_dir: str, out: str, tp: int, pp: int, force: bool,
               seed: int | None = None, log=print) -> Path:
     """A transformers RemBERT folder -> a weights-only portable checkpoint (`out/step_00000000`)."""
     folder = Path(model_dir)
+    check_out_apart(out, [("--model", folder), ("--config", config_path)])
     cfg_file = folder / "config.json"
     if not cfg_file.is_file():
         raise ConvertError(f"--model {folder}: no config.json")
@@ -133,6 +161,8 @@ def import_hf(model_dir: str, out: str, tp: int, pp: int, force: bool,
         hf_cfg = json.loads(cfg_file.read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise ConvertError(f"{cfg_file}: unreadable ({err})") from err
+    if not isinstance(hf_cfg, dict):
+        raise ConvertError(f"{cfg_file}: not a JSON object")
     if hf_cfg.get("model_type") != "rembert":
         raise ConvertError(f"{cfg_file}: model_type={hf_cfg.get('model_type')!r}, expected "
                            "'rembert'")
@@ -153,27 +183,26 @@ def import_hf(model_dir: str, out: str, tp: int, pp: int, force: bool,
     config.parallel.tp, config.parallel.pp = tp, pp
     check_tp_pp(model, tp, pp)
     weights = _HFWeights(folder)
-    ours, dropped = our_names(weights.files, str(folder))
+    ours, dropped = our_names(weights.stored, str(folder))
+    specs = param_specs(model, 1)
+    fresh_head = not any(k.startswith("mlm_head.") for k in ours)
+    expected = {s.name: s.shape for s in specs
+                if not (fresh_head and s.name.startswith("mlm_head."))}
+    hf_label: dict[str, str] = {}
+    for hf, name in hf_names(expected, model):
+        hf_label.setdefault(name, hf)
+    check_tensors({name: weights.stored[hf] for name, hf in ours.items()}, expected,
+                  str(cfg_file), label=lambda name: hf_label.get(name, name))
     for name in dropped:
         log(f"{folder}: {name} dropped (the pre-training model has no pooler)")
-    specs = param_specs(model, 1)
     head = None
-    if not any(k.startswith("mlm_head.") for k in ours):
+    if fresh_head:
         head = _fresh_head(model, seed if seed is not None else config.train.seed)
         log(f"{folder} holds no MLM head (a RemBertModel): mlm_head.* freshly initialised "
             f"(seed {seed if seed is not None else config.train.seed})")
-    missing = [s.name for s in specs if s.name not in ours and head is None]
-    if missing:
-        raise ConvertError(f"{folder}: missing tensors for {missing[:5]}")
 
     def weight(s: ParamSpec) -> torch.Tensor:
-        if s.name not in ours:
-            return head[s.name]
-        t = weights.get(ours[s.name])
-        if tuple(t.shape) != s.shape:
-            raise ConvertError(f"{weights.files[ours[s.name]]}: {ours[s.name]} has shape "
-                               f"{tuple(t.shape)}, {cfg_file} implies {s.shape}")
-        return t
+        return head[s.name] if s.name not in ours else weights.get(ours[s.name])
 
     dtypes = {s.name: torch.float32 for s in specs}
     meta = {"config": config.to_dict(), "tokenizer_sha256": None,

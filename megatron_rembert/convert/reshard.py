@@ -19,7 +19,13 @@ from megatron_rembert.checkpoint.portable import write_portable
 from megatron_rembert.checkpoint.reader import CheckpointReader
 from megatron_rembert.checkpoint.specs import param_specs
 from megatron_rembert.checkpoint.step_folder import resolve_checkpoint
-from megatron_rembert.convert.files import check_out_apart, check_tp_pp, staged_output
+from megatron_rembert.convert.files import (
+    check_out_apart,
+    check_tp_pp,
+    checkpoint_inputs,
+    staged_output,
+)
+from megatron_rembert.convert.tensor_check import check_checkpoint
 from megatron_rembert.run_config import PIPELINE_ZERO_STAGE
 
 
@@ -27,12 +33,13 @@ def reshard(checkpoint: str, out: str, tp: int | None, pp: int | None, force: bo
             weights_only: bool = False, log=print) -> Path:
     """`checkpoint`: a step folder or a save folder (its `latest`); tp/pp None: unchanged."""
     source = resolve_checkpoint(checkpoint)
+    check_out_apart(out, checkpoint_inputs("--checkpoint", checkpoint, source.path))
     with CheckpointReader(source) as reader:
-        check_out_apart(out, source.path)
         tp = reader.tp if tp is None else tp
         pp = reader.pp if pp is None else pp
-        check_tp_pp(reader.model, tp, pp)
         weights_only = weights_only or reader.weights_only
+        check_checkpoint(reader, optimizer=not weights_only)
+        check_tp_pp(reader.model, tp, pp)
         specs = param_specs(reader.model, 1)
         config = copy.deepcopy(reader.meta["config"])
         parallel = config.setdefault("parallel", {})

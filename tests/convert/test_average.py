@@ -170,6 +170,31 @@ def test_bad_inputs_are_refused_before_writing(run, tmp_path, capsys):
     assert not (tmp_path / "avg").exists()
 
 
+def test_tampered_deepspeed_shard_is_refused(run, tmp_path, capsys):
+    """A tp=2 DeepSpeed checkpoint whose TP rank 1 holds a float64 shard, or a float64 flat
+    master-weight partition in its ZeRO file (manifest rewritten to match): refused naming the
+    file and tensor before anything is written."""
+    from tests.convert.tampering import copy_deepspeed_step, set_dtype
+
+    root, _ = run
+    step = root / "run" / "step_00000002"
+    name = "rembert.layers.0.ffn.output.weight"
+    bad = copy_deepspeed_step(step, tmp_path / "bad", "mp_rank_01_model_states.pt",
+                              set_dtype(name, torch.float64))
+    _fails(["average", "--checkpoints", str(step), str(bad), "--out", str(tmp_path / "avg")],
+           capsys, f"mp_rank_01_model_states.pt: tensor {name} has dtype float64")
+
+    def master_float64(data):  # the ZeRO file's flat fp32 partition, which average reads
+        flats = data["optimizer_state_dict"]["single_partition_of_fp32_groups"]
+        flats[0] = flats[0].double()
+
+    zero = "zero_pp_rank_0_mp_rank_01_optim_states.pt"
+    bad = copy_deepspeed_step(step, tmp_path / "bad_zero", zero, master_float64)
+    _fails(["average", "--checkpoints", str(step), str(bad), "--out", str(tmp_path / "avg")],
+           capsys, f"{zero}: tensor ", "has dtype float64")
+    assert not (tmp_path / "avg").exists()
+
+
 def _small_checkpoint(out) -> None:
     from megatron_rembert.convert.hf import hf_config_dict
     from tests.model.helpers import small_config

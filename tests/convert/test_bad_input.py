@@ -22,7 +22,7 @@ def _fails(args, capsys, *expected):
 def test_missing_files_and_incomplete_checkpoint(hf_dir, tmp_path, capsys):
     _fails(["to-hf", "--checkpoint", str(tmp_path / "nope"), "--out", str(tmp_path / "o")],
            capsys, "no such folder")
-    step = tmp_path / "step_00000000"
+    step = tmp_path / "run" / "step_00000000"  # --out is outside its save folder
     shutil.copytree(hf_dir / "ckpt" / "step_00000000", step)
     os.remove(step / "complete")
     _fails(["to-hf", "--checkpoint", str(step), "--out", str(tmp_path / "o")], capsys,

@@ -1,8 +1,10 @@
 """Train at tp=2 x pp=2, reshard, continue: the losses of continuing without resharding."""
 
 import pytest
+import torch
 
 from megatron_rembert.convert.__main__ import main
+from tests.convert.tampering import copy_deepspeed_step, set_dtype
 from tests.convert.workers import overrides, train_worker
 from tests.distributed import run_distributed
 
@@ -40,6 +42,25 @@ def test_resume_at_another_layout_without_converting(trained):
     losses = run_distributed(train_worker, 2, TINY, overrides(1, 1, 2), str(step_dir), 3, 3,
                              None, timeout=300)[0]
     assert losses == pytest.approx(expected, rel=1e-5)
+
+
+def test_tampered_pipeline_files_are_refused(trained, tmp_path, capsys):
+    """DeepSpeed's per-layer files of a tp=2 x pp=2 run, checked shard by shard against
+    meta.json's model before anything is written: an int8 shard of TP rank 1, and a meta.json
+    that says fewer layers than the files hold."""
+    step_dir, _ = trained
+    for name, file, edit, model, expected in (
+            ("int8", "layer_01-model_01-model_states.pt",
+             set_dtype("attention.query.weight", torch.int8), None,
+             "layer_01-model_01-model_states.pt: tensor attention.query.weight has dtype int8"),
+            ("fewer_layers", None, None, {"num_hidden_layers": 1},
+             "-model_00-model_states.pt: tensor ")):
+        bad = copy_deepspeed_step(step_dir, tmp_path / name, file, edit, model)
+        assert main(["reshard", "--checkpoint", str(bad), "--out", str(tmp_path / "o"),
+                     "--tp", "1", "--pp", "1"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and expected in err, err
+        assert not (tmp_path / "o").exists()
 
 
 def test_reshard_lamb_state(tmp_path):
