@@ -89,13 +89,15 @@ def merge(parts: list[Path], out: Path) -> dict:
             raise DataError(f"{out} already holds another dataset; merge into a new folder.")
         (out / MANIFEST).unlink()  # the folder is no dataset until the new manifest is written
     owner = {lang: part for part in parts for lang in read_manifest(part)["languages"]}
-    for entry in manifest["shards"]:
-        src = owner[entry["language"]] / entry["file"]
+    word_starts = manifest["word_starts"]["file"]
+    # Every destination is checked before anything is placed.
+    moves = [(owner[e["language"]] / e["file"], _destination(out, e["file"], owner[e["language"]]))
+             for e in manifest["shards"]]
+    for (src, _), entry in zip(moves, manifest["shards"], strict=True):
         if not src.is_file() or src.stat().st_size != entry["bytes"]:
             raise DataError(f"{src}: missing or not the size its manifest says; rerun "
                             "preprocess.py for that part (it resumes).")
-        place(src, _destination(out, entry["file"], owner[entry["language"]]))
-    word_starts = manifest["word_starts"]["file"]
-    place(parts[0] / word_starts, _destination(out, word_starts, parts[0]))
+    for src, dst in [*moves, (parts[0] / word_starts, _destination(out, word_starts, parts[0]))]:
+        place(src, dst)
     atomic_write_json(out / MANIFEST, manifest)
     return manifest
