@@ -31,6 +31,7 @@ from megatron_rembert.checkpoint import CheckpointError
 from megatron_rembert.checkpoint.files import ST_DTYPES, SafetensorsWriter, safe_open_checked
 from megatron_rembert.checkpoint.specs import ParamSpec, shard
 from megatron_rembert.checkpoint.step_folder import commit, step_tag
+from megatron_rembert.fs import inside
 
 PORTABLE_FORMAT = "megatron-rembert-portable-v1"
 OPTIM_KEYS = ("exp_avg", "exp_avg_sq")
@@ -97,8 +98,9 @@ class PortableReader:
         if key not in self.index:
             raise CheckpointError(f"{self.folder / INDEX}: no tensor {key}")
         file = self.index[key]
-        if file not in self._handles:
-            self._handles[file] = self._stack.enter_context(safe_open_checked(self.folder / file))
+        if file not in self._handles:  # a name read from the index: it stays in the folder
+            path = inside(self.folder, file, self.folder / INDEX, CheckpointError)
+            self._handles[file] = self._stack.enter_context(safe_open_checked(path))
         return self._handles[file]
 
     def full(self, key: str) -> torch.Tensor:

@@ -167,3 +167,24 @@ def test_stray_entries_are_listed_and_ignored_by_every_save(two_runs):
     assert (mine / "step_00000001.bak" / "complete").exists()
     assert (mine / "notes.txt").read_text() == "mine"
     assert (mine / "step_00000009").is_symlink() and _snapshot(other) == before
+
+
+def test_portable_index_naming_a_file_outside_is_refused(tmp_path):
+    """A portable checkpoint's index.json maps tensor names to its files: one naming another
+    folder's safetensors file (which reads fine) is refused, naming the index."""
+    import torch
+
+    from megatron_rembert.checkpoint.files import SafetensorsWriter
+    from megatron_rembert.checkpoint.portable import INDEX, PortableReader
+
+    weight = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    (tmp_path / "other").mkdir()
+    with SafetensorsWriter(tmp_path / "other" / "model.safetensors",
+                           [("w", weight.dtype, tuple(weight.shape))]) as writer:
+        writer.write("w", weight)
+    folder = tmp_path / "mine" / "step_00000002"
+    folder.mkdir(parents=True)
+    (folder / INDEX).write_text(json.dumps({"w": "../../other/model.safetensors"}))
+    with PortableReader(folder) as reader, pytest.raises(CheckpointError, match="'..'") as caught:
+        reader.full("w")
+    assert str(caught.value).startswith(f"{folder / INDEX}: names '../../other/")
