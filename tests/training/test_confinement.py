@@ -6,7 +6,9 @@ as a user runs it."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -97,3 +99,22 @@ def test_save_replaces_a_link_and_lists_strays_once(tiny_dataset, other_run, tmp
     assert (save_dir / "latest").read_text().strip() == "step_00000004"
     assert (save_dir / "notes.txt").read_text() == "mine\n"
     assert (save_dir / "step_00000001.bak" / "complete").exists()
+
+
+def test_training_refuses_a_dataset_naming_a_shard_elsewhere(tiny_dataset, tmp_path):
+    """data.path's manifest naming a shard by an absolute path to an exact copy elsewhere (its
+    size, schema and sha256 all match): train.py refuses before training, naming the manifest."""
+    data = tmp_path / "data"
+    shutil.copytree(tiny_dataset[0], data)
+    manifest = json.loads((data / "manifest.json").read_text())
+    entry = next(s for s in manifest["shards"] if s["split"] == "train")
+    elsewhere = tmp_path / "elsewhere.arrow"
+    shutil.copyfile(data / entry["file"], elsewhere)
+    entry["file"] = str(elsewhere)
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    run = _train((data, tiny_dataset[1]), tmp_path, tmp_path / "ckpt", 2)
+    errors = [line for line in run.stderr.splitlines() if "error:" in line]
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert len(errors) == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert f"{data / 'manifest.json'}: names '{elsewhere}', an absolute path" in errors[0]
+    assert "step " not in run.stdout and not list((tmp_path / "ckpt").glob("step_*"))
