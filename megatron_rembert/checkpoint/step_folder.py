@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_rembert.checkpoint import CheckpointError
+from megatron_rembert.checkpoint.lock import LOCK
 from megatron_rembert.fs import (
     atomic_write,
     atomic_write_json,
@@ -47,10 +48,10 @@ from megatron_rembert.fs import (
 
 COMPLETE, LATEST, META, MANIFEST = "complete", "latest", "meta.json", "manifest.json"
 ROLLED_BACK = "rolled_back"
-STEP_NAME = re.compile(r"step_\d{8}")
+STEP_NAME = re.compile(r"step_\d{8,}")  # step_tag: 8 digits or more
 # What else a save folder holds: the lock (lock.py) and the recovery scripts DeepSpeed copies
 # into it at every ZeRO save; `.tmp-*` are atomic writes in flight (or debris of a kill).
-OWN_ENTRIES = (LATEST, ROLLED_BACK, ".lock", "zero_to_fp32.py", "zero_to_torch.py")
+OWN_ENTRIES = (LATEST, ROLLED_BACK, LOCK, "zero_to_fp32.py", "zero_to_torch.py")
 # What meta.json must hold for a checkpoint to be read at all.
 META_SECTIONS = ("config", "layout", "step", "consumed_samples")
 
