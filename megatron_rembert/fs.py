@@ -1,5 +1,6 @@
-"""The file system, for every package: atomic writes, sha256 while writing or of a file, and
-the checks of an output folder before any work.
+"""The file system, for every package: atomic writes, sha256 while writing or of a file, the
+checks of an output folder before any work, and the one rule for paths read from files
+(`inside`: a name a file gives stays inside its folder).
 
 The ground floor: torch-free and importing nothing of the package, so that the data tools, the
 checkpoints, training and the converters share one implementation of each.
@@ -10,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +31,10 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _new_file_opener(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[Any], None], binary: bool = True
                  ) -> None:
     """Write `path` via a temp file in the same folder, fsync, then rename: a reader (or a
@@ -36,8 +42,12 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Any], None], binary: 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
+    tmp.unlink(missing_ok=True)  # debris of a killed writer; a link there is removed, not followed
+    # A new file, never through a link: the rename then replaces a link at `path` itself, not
+    # the file it points to.
     try:
-        with open(tmp, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as f:
+        with open(tmp, "wb" if binary else "w", opener=_new_file_opener,
+                  **({} if binary else {"encoding": "utf-8"})) as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
@@ -135,3 +145,45 @@ def write_failure(err: OSError) -> str:
     """One line for a file-system failure while writing (full disk, read-only, lost mount)."""
     where = f"{err.filename}: " if err.filename else ""
     return f"{where}{err.strerror or err}"
+
+
+def remove_entry(path: str | os.PathLike) -> None:
+    """Remove whatever is at `path` without following a link: a link or a file is unlinked (a
+    link's target is kept), a folder is removed with its contents."""
+    path = Path(path)
+    if path.is_symlink() or path.is_file():
+        path.unlink(missing_ok=True)
+    elif path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+
+
+# -- paths read from files stay inside their folder --------------------------------------------
+def inside(folder: str | os.PathLike, name: object, named_in: str | os.PathLike,
+           error: type[Exception]) -> Path:
+    """`folder / name`, where `name` was read from the file `named_in` (the step folder in a
+    save folder's `latest`, a shard or the word-start table in a dataset's manifest.json, a
+    file in a checkpoint's manifest.json or index): the one rule for every such path.
+
+    Refused with `error` (the caller's UserError type), one line naming `named_in`, unless it
+    stays inside `folder`: a relative name, no `..`, and resolved (every symlink followed) still
+    under `folder`. Otherwise a hand-edited or copied file could make a reader train on, resume
+    from or hash another run's files as its own, and a writer overwrite files elsewhere.
+    """
+    folder = Path(folder)
+    why = None
+    if not isinstance(name, str) or not name.strip() or "\0" in name:
+        why = "which is not a file name"
+    elif os.path.isabs(name):
+        why = "an absolute path"
+    elif ".." in Path(name).parts:
+        why = "which climbs out with '..'"
+    else:
+        root, target = folder.resolve(), (folder / name).resolve()
+        if target == root or root not in target.parents:
+            why = (f"which leads to {target} through a symlink" if target != root
+                   else "the folder itself")
+    if why is not None:
+        raise error(f"{named_in}: names {name!r}, {why}; a path read from this file must "
+                    f"stay inside {folder} (a name relative to it, no '..', no symlink leading "
+                    "out): restore the file or remove the entry")
+    return folder / name

@@ -7,10 +7,13 @@ carrying a message is what Python would print to stderr with exit code 1."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -35,7 +38,69 @@ def files(tmp_path_factory) -> Path:
     (root / "corpus" / "aa").mkdir(parents=True)
     (root / "corpus" / "aa" / "a.txt").write_text("one line of text\n")
     (root / "spm.model").write_bytes(b"\x00")
+    _outside_their_folder(root)
     return root
+
+
+def _outside_their_folder(root: Path) -> None:
+    """Issue 30: datasets and save folders whose files name paths outside their folder, and
+    what those paths reach (`victim/`, `other_run/`), which must stay untouched."""
+    from megatron_rembert.data.shards import SCHEMA_VERSION, write_shard
+    from megatron_rembert.fs import sha256_file
+
+    rows = np.full((2, 8), 7, np.int32)
+    rows[:, 0] = 2  # [CLS]
+    victim = root / "victim"
+    shard = write_shard(victim / "aa-train-00000.arrow", rows, "aa", pad_id=0)
+    np.save(victim / "word_starts.npy", np.zeros(16, bool))
+
+    def dataset(name: str, shard_file: str, word_starts: str = "word_starts.npy") -> Path:
+        folder = root / name
+        folder.mkdir()
+        np.save(folder / "word_starts.npy", np.zeros(16, bool))
+        manifest = {
+            "schema_version": SCHEMA_VERSION, "seq_length": 8, "valid_fraction": 0.0,
+            "tokenizer": {"sha256": "0" * 64, "vocab_size": 16, "model_file": "spm.model"},
+            "special_ids": {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4},
+            "word_starts": {"file": word_starts, "sha256": sha256_file(victim / "word_starts.npy")},
+            "shards": [{"file": shard_file, "split": "train", **shard}],
+            "languages": {"aa": {"documents": 1, "train_rows": 2, "valid_rows": 0,
+                                 "train_tokens": shard["tokens"], "valid_tokens": 0}},
+            "skipped": {}}
+        (folder / "manifest.json").write_text(json.dumps(manifest))
+        return folder
+
+    dataset("ds_dotdot", "../victim/aa-train-00000.arrow")
+    dataset("ds_absolute", str(victim / "aa-train-00000.arrow"))
+    linked = dataset("ds_symlink", "train/aa/aa-train-00000.arrow")
+    (linked / "train" / "aa").mkdir(parents=True)
+    os.symlink(victim / "aa-train-00000.arrow", linked / "train" / "aa" / "aa-train-00000.arrow")
+    inside = dataset("ds_ws_dotdot", "train/aa/aa-train-00000.arrow", "../victim/word_starts.npy")
+    write_shard(inside / "train" / "aa" / "aa-train-00000.arrow", rows, "aa", pad_id=0)
+
+    from megatron_rembert.checkpoint.step_folder import commit
+
+    meta = {"config": {"model": {"preset": "tiny", "vocab_size": 1000}},
+            "layout": {"tp": 1, "pp": 1, "dp": 1}, "step": 2, "consumed_samples": 64}
+    other = root / "other_run" / "step_00000002"
+    other.mkdir(parents=True)
+    (other / "weights.bin").write_bytes(b"another run's weights")
+    commit(root / "other_run", other, meta, {})
+    (root / "run_latest_abs").mkdir()
+    (root / "run_latest_abs" / "latest").write_text(f"{other}\n")
+    (root / "run_latest_dotdot").mkdir()
+    (root / "run_latest_dotdot" / "latest").write_text("../other_run/step_00000002\n")
+    (root / "run_step_link").mkdir()
+    os.symlink(other, root / "run_step_link" / "step_00000002")
+    (root / "run_step_link" / "latest").write_text("step_00000002\n")
+    # A step folder of this run whose manifest.json vouches for a file of the other run.
+    mine = root / "run_manifest_out" / "step_00000002"
+    mine.mkdir(parents=True)
+    commit(mine.parent, mine, meta, {})
+    listed = json.loads((mine / "manifest.json").read_text())
+    listed["files"]["../../other_run/step_00000002/weights.bin"] = {
+        "size": len(b"another run's weights"), "sha256": sha256_file(other / "weights.bin")}
+    (mine / "manifest.json").write_text(json.dumps(listed))
 
 
 def _train(*sets, config=TINY):
@@ -132,6 +197,34 @@ CASES = [
     ("convert-reshard-out-links-to-save-folder-force", "convert", [
         "reshard", "--checkpoint", "{d}/conv/ckpt", "--out", "{d}/conv/ckpt_link", "--force"],
      "--out"),
+    # issue 30: paths read from files stay inside their folder (fs.inside): a dataset manifest
+    # naming a shard or the word-start table by `..`, an absolute path or a symlink leading
+    # out, for inspect and merge; a save folder's `latest` naming another run's checkpoint by
+    # an absolute path, `..` or a step folder that is a symlink; a step folder's manifest.json
+    # listing a file of another run. The error names the file the path was read from.
+    ("manifest-shard-dotdot", "inspect_shards.py", ["{d}/ds_dotdot", "--verify"],
+     "{d}/ds_dotdot/manifest.json: names '../victim/"),
+    ("manifest-shard-absolute", "inspect_shards.py", ["{d}/ds_absolute", "--verify"],
+     "{d}/ds_absolute/manifest.json: names '{d}/victim/"),
+    ("manifest-shard-symlink-out", "inspect_shards.py", ["{d}/ds_symlink", "--verify"],
+     "{d}/ds_symlink/manifest.json: names 'train/aa/"),
+    ("manifest-word-starts-dotdot", "inspect_shards.py", ["{d}/ds_ws_dotdot"],
+     "{d}/ds_ws_dotdot/manifest.json: names '../victim/word_starts.npy'"),
+    ("merge-part-shard-dotdot", "merge_datasets.py", ["{d}/ds_dotdot", "--out", "{o}"],
+     "{d}/ds_dotdot/manifest.json: names '../victim/"),
+    ("merge-part-shard-absolute", "merge_datasets.py", ["{d}/ds_absolute", "--out", "{o}"],
+     "{d}/ds_absolute/manifest.json: names '{d}/victim/"),
+    ("merge-part-shard-symlink-out", "merge_datasets.py", ["{d}/ds_symlink", "--out", "{o}"],
+     "{d}/ds_symlink/manifest.json: names 'train/aa/"),
+    ("latest-absolute", "convert", ["to-hf", "--checkpoint", "{d}/run_latest_abs", "--out",
+     "{o}"], "{d}/run_latest_abs/latest: names '{d}/other_run/step_00000002'"),
+    ("latest-dotdot", "convert", ["reshard", "--checkpoint", "{d}/run_latest_dotdot", "--out",
+     "{o}", "--tp", "1", "--pp", "1"], "{d}/run_latest_dotdot/latest: names '../other_run/"),
+    ("latest-step-folder-symlink", "convert", ["to-hf", "--checkpoint", "{d}/run_step_link",
+     "--out", "{o}"], "{d}/run_step_link/latest: names 'step_00000002'"),
+    ("checkpoint-manifest-file-outside", "convert", ["to-hf", "--checkpoint",
+     "{d}/run_manifest_out", "--out", "{o}"],
+     "{d}/run_manifest_out/step_00000002/manifest.json: names '../../other_run/"),
 ]
 
 

@@ -37,6 +37,7 @@ from megatron_rembert.checkpoint.files import (
 )
 from megatron_rembert.checkpoint.specs import ParamSpec, shard
 from megatron_rembert.checkpoint.step_folder import commit, step_tag
+from megatron_rembert.fs import inside
 
 PORTABLE_FORMAT = "megatron-rembert-portable-v1"
 OPTIM_KEYS = ("exp_avg", "exp_avg_sq")
@@ -105,8 +106,9 @@ class PortableReader:
         return self._open(self.index[key])
 
     def _open(self, file: str):
-        if file not in self._handles:
-            self._handles[file] = self._stack.enter_context(safe_open_checked(self.folder / file))
+        if file not in self._handles:  # a name read from the index: it stays in the folder
+            path = inside(self.folder, file, self.folder / INDEX, CheckpointError)
+            self._handles[file] = self._stack.enter_context(safe_open_checked(path))
         return self._handles[file]
 
     def stored(self) -> list[StoredTensor]:

@@ -17,22 +17,41 @@ A kill at any moment leaves `latest` naming the previous complete checkpoint. Fo
 `complete` are never loaded and are removed by the next successful save. Pruning never deletes
 `latest` or anything newer than it. Checkpoints written before manifests existed (no
 manifest.json) still load; they get no hash check, only the guarded `weights_only` loads.
+
+Every path read from a file (the folder `latest` names, each file a manifest.json lists) must
+stay inside its folder (`fs.inside`): a `latest` naming an absolute path, `..`, or a step folder
+that is a symlink to another run's checkpoint is refused, never resumed from. A save never
+writes through a link (`clear_save_paths`). Other entries of a save folder (a copied
+`step_X.bak`, a stray file, a link) are not this protocol's: `unexpected_entries` lists them for
+one notice at start-up; saving, pruning and rolling back ignore them.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_rembert.checkpoint import CheckpointError
-from megatron_rembert.fs import atomic_write, atomic_write_json, sha256_file
+from megatron_rembert.checkpoint.lock import LOCK
+from megatron_rembert.fs import (
+    atomic_write,
+    atomic_write_json,
+    inside,
+    remove_entry,
+    sha256_file,
+)
 
 COMPLETE, LATEST, META, MANIFEST = "complete", "latest", "meta.json", "manifest.json"
 ROLLED_BACK = "rolled_back"
+STEP_NAME = re.compile(r"step_\d{8,}")  # step_tag: 8 digits or more
+# What else a save folder holds: the lock (lock.py) and the recovery scripts DeepSpeed copies
+# into it at every ZeRO save; `.tmp-*` are atomic writes in flight (or debris of a kill).
+OWN_ENTRIES = (LATEST, ROLLED_BACK, LOCK, "zero_to_fp32.py", "zero_to_torch.py")
 # What meta.json must hold for a checkpoint to be read at all.
 META_SECTIONS = ("config", "layout", "step", "consumed_samples")
 
@@ -95,11 +114,17 @@ class StepFolder:
 
 
 def _latest_path(save_dir: str | Path) -> Path | None:
-    """The folder `latest` names, checked for completeness; None when there is none yet."""
+    """The folder `latest` names, inside `save_dir` and checked for completeness; None when
+    there is none yet."""
     pointer = Path(save_dir) / LATEST
     if not pointer.exists():
         return None
-    folder = pointer.parent / pointer.read_text().strip()
+    try:
+        name = pointer.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{pointer}: unreadable ({err}); point 'latest' at a complete "
+                              "step_* folder or remove it") from err
+    folder = inside(save_dir, name, pointer, CheckpointError)
     try:
         return check_step_dir(folder)
     except CheckpointError as err:
@@ -125,6 +150,36 @@ def resolve_checkpoint(path: str | Path) -> StepFolder:
             raise CheckpointError(f"{path}: a save folder without '{LATEST}' (no save has "
                                   "completed); name one of its complete step_* folders")
     return StepFolder.open(path)
+
+
+def step_folders(save_dir: Path) -> list[Path]:
+    """The step folders of `save_dir` by step: real folders (not links) named step_XXXXXXXX."""
+    return sorted((p for p in Path(save_dir).glob("step_*")
+                   if STEP_NAME.fullmatch(p.name) and p.is_dir() and not p.is_symlink()),
+                  key=step_of)
+
+
+def unexpected_entries(save_dir: Path) -> list[str]:
+    """Names in `save_dir` that are not this protocol's (a copied `step_X.bak`, a stray file,
+    a link): ignored by saving, pruning and rolling back; listed for one notice."""
+    save_dir = Path(save_dir)
+    if not save_dir.is_dir():
+        return []
+    own = {p.name for p in step_folders(save_dir)}
+    return sorted(p.name + ("/" if p.is_dir() and not p.is_symlink() else "")
+                  for p in save_dir.iterdir()
+                  if p.name not in own and p.name not in OWN_ENTRIES
+                  and not p.name.startswith(".tmp-"))
+
+
+def clear_save_paths(save_dir: Path, folder: Path) -> None:
+    """Before a save into `folder` (rank 0): remove what is there (a partial folder left by a
+    kill at this step; a link is unlinked, its target kept), and any link where DeepSpeed
+    copies its recovery scripts: a save never writes through a link."""
+    remove_entry(folder)
+    for name in OWN_ENTRIES:
+        if (Path(save_dir) / name).is_symlink():
+            (Path(save_dir) / name).unlink()
 
 
 # -- integrity ----------------------------------------------------------------------------
@@ -164,7 +219,7 @@ def verify(folder: Path, share: tuple[int, int] = (0, 1)) -> bool:
         raise CheckpointError(f"{folder / unlisted[0]}: not in {path}; a file added after the "
                               "save is not trusted: remove it")
     for i, (rel, record) in enumerate(sorted(files.items())):
-        file = folder / rel
+        file = inside(folder, rel, path, CheckpointError)
         if not file.is_file():
             raise CheckpointError(f"{file}: no such file (listed in {path})")
         size = file.stat().st_size
@@ -197,7 +252,7 @@ def prune(save_dir: Path, keep_last: int) -> None:
     if current is None:
         return
     newest = step_of(current)
-    folders = sorted((p for p in save_dir.glob("step_*") if p.is_dir()), key=step_of)
+    folders = step_folders(save_dir)
     older = [p for p in folders if step_of(p) <= newest]
     complete = [p for p in older if (p / COMPLETE).exists()]
     for p in older:
@@ -220,8 +275,7 @@ def roll_back(save_dir: Path, target: Path) -> list[Path] | None:
                               f"train.save_dir={save_dir}")
     if list((save_dir / ROLLED_BACK).glob(f"*_to_{target.name}")):
         return None
-    newer = sorted((p for p in save_dir.glob("step_*")
-                    if p.is_dir() and step_of(p) > step_of(target)), key=step_of)
+    newer = [p for p in step_folders(save_dir) if step_of(p) > step_of(target)]
     aside = save_dir / ROLLED_BACK / f"{time.strftime('%Y%m%d-%H%M%S')}_to_{target.name}"
     aside.mkdir(parents=True)  # also the record that this roll-back was done
     for p in newer:

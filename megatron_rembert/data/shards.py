@@ -29,7 +29,7 @@ import numpy as np
 import pyarrow as pa
 
 from megatron_rembert.data.common import DataError, SpecialIds
-from megatron_rembert.fs import HashingFile, atomic_write, sha256_file
+from megatron_rembert.fs import HashingFile, atomic_write, inside, sha256_file
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -80,11 +80,31 @@ def read_manifest(data_dir: str | os.PathLike) -> dict:
         manifest = json.loads(path.read_text())
     except (ValueError, OSError) as e:
         raise DataError(f"{path} is not readable JSON: {e}; rerun preprocess.py.") from e
-    if manifest.get("schema_version") != SCHEMA_VERSION:
-        raise DataError(f"{path}: schema_version {manifest.get('schema_version')!r}, this code "
+    if not isinstance(manifest, dict) or manifest.get("schema_version") != SCHEMA_VERSION:
+        version = manifest.get("schema_version") if isinstance(manifest, dict) else None
+        raise DataError(f"{path}: schema_version {version!r}, this code "
                         f"reads {SCHEMA_VERSION}; re-create the dataset with this version's "
                         "data_tools/preprocess.py.")
+    check_manifest_paths(manifest, Path(data_dir))
     return manifest
+
+
+def check_manifest_paths(manifest: dict, data_dir: Path) -> None:
+    """Every file the manifest names (shards, the word-start table) stays inside `data_dir`
+    (`fs.inside`: no absolute path, no `..`, no symlink leading out); checked where every
+    reader (training, merging, inspecting) reads the manifest, so none joins an unchecked
+    name. A dataset is one folder: a shard elsewhere would be trained on, or a merge would
+    write over a file outside its --out."""
+    path = data_dir / MANIFEST
+    shards = manifest.get("shards")
+    if not isinstance(shards, list) or not all(isinstance(s, dict) for s in shards):
+        raise DataError(f"{path}: 'shards' is not a list of shard entries; the file is damaged "
+                        "or not ours: re-run preprocess.py.")
+    for entry in shards:
+        inside(data_dir, entry.get("file"), path, DataError)
+    word_starts = manifest.get("word_starts")
+    if isinstance(word_starts, dict) and "file" in word_starts:
+        inside(data_dir, word_starts["file"], path, DataError)
 
 
 def check_manifest(manifest: dict, path: str | os.PathLike, tokenizer_sha256: str | None,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from megatron_rembert.data.common import DataError
 from megatron_rembert.data.shards import MANIFEST, read_manifest
-from megatron_rembert.fs import atomic_write_json
+from megatron_rembert.fs import atomic_write_json, inside
 
 # Manifest keys that must agree between parts: they describe how every shard was made.
 SAME = ("schema_version", "tokenizer", "seq_length", "special_ids", "word_starts",
@@ -72,6 +72,12 @@ def place(src: Path, dst: Path) -> None:
     os.replace(tmp, dst)
 
 
+def _destination(out: Path, name: str, part: Path) -> Path:
+    """Where a file the manifest of `part` names goes in `out`: inside it, not through a link
+    (read_manifest checked the name against the part; `out` may hold links of its own)."""
+    return inside(out, name, part / MANIFEST, DataError)
+
+
 def merge(parts: list[Path], out: Path) -> dict:
     if not parts:
         raise DataError("no part folders given; pass the folders preprocess.py wrote")
@@ -83,12 +89,15 @@ def merge(parts: list[Path], out: Path) -> dict:
             raise DataError(f"{out} already holds another dataset; merge into a new folder.")
         (out / MANIFEST).unlink()  # the folder is no dataset until the new manifest is written
     owner = {lang: part for part in parts for lang in read_manifest(part)["languages"]}
-    for entry in manifest["shards"]:
-        src = owner[entry["language"]] / entry["file"]
+    word_starts = manifest["word_starts"]["file"]
+    # Every destination is checked before anything is placed.
+    moves = [(owner[e["language"]] / e["file"], _destination(out, e["file"], owner[e["language"]]))
+             for e in manifest["shards"]]
+    for (src, _), entry in zip(moves, manifest["shards"], strict=True):
         if not src.is_file() or src.stat().st_size != entry["bytes"]:
             raise DataError(f"{src}: missing or not the size its manifest says; rerun "
                             "preprocess.py for that part (it resumes).")
-        place(src, out / entry["file"])
-    place(parts[0] / manifest["word_starts"]["file"], out / manifest["word_starts"]["file"])
+    for src, dst in [*moves, (parts[0] / word_starts, _destination(out, word_starts, parts[0]))]:
+        place(src, dst)
     atomic_write_json(out / MANIFEST, manifest)
     return manifest

@@ -44,7 +44,7 @@ import numpy as np
 
 from megatron_rembert.data.common import DataError, Ready, SpecialIds, ordered_map
 from megatron_rembert.data.shards import MANIFEST, SCHEMA_VERSION, WORD_STARTS, write_shard
-from megatron_rembert.fs import atomic_write, atomic_write_json, sha256_file
+from megatron_rembert.fs import atomic_write, atomic_write_json, inside, sha256_file
 from megatron_rembert.prep import corpus as corpus_mod
 from megatron_rembert.prep.packing import Packer
 from megatron_rembert.prep.progress import ProgressBar
@@ -196,6 +196,8 @@ class _Language:
             # `arrays` is absent from the records of older versions, which used `<lang>.npz`.
             name = self.state.setdefault("arrays", f"{lang}.npz")
             self.state.setdefault("checkpoints", 0)
+            # A name read from the file: it is loaded now and deleted at the next checkpoint.
+            inside(progress_dir, name, self.json_path, DataError)
             if (progress_dir / name).exists():
                 with np.load(progress_dir / name) as z:
                     arrays = dict(z)

@@ -29,6 +29,7 @@ from megatron_rembert.checkpoint.step_folder import (
     COMPLETE,
     LATEST,
     StepFolder,
+    clear_save_paths,
     commit,
     step_tag,
     verify,
@@ -103,8 +104,8 @@ def save_checkpoint(engine, save_dir: str | Path, step: int, consumed_samples: i
             f"step {step}: {int(bad)} parameter tensor(s) hold inf or NaN; not saved, "
             f"{save_dir / LATEST} still names the last good checkpoint. Lower "
             "optim.lr or check the data, then resume")
-    if comm.rank() == 0 and folder.exists():  # a partial folder left by a kill at this step
-        shutil.rmtree(folder, ignore_errors=True)
+    if comm.rank() == 0:  # a partial folder left by a kill at this step; never through a link
+        clear_save_paths(save_dir, folder)
     comm.barrier()
     guard = _guard(engine)
     guard.records.clear()

@@ -14,7 +14,12 @@ import torch.distributed as dist
 
 from megatron_rembert.checkpoint import CheckpointError, resume
 from megatron_rembert.checkpoint.lock import SaveDirLock
-from megatron_rembert.checkpoint.step_folder import StepFolder, find_latest, roll_back
+from megatron_rembert.checkpoint.step_folder import (
+    StepFolder,
+    find_latest,
+    roll_back,
+    unexpected_entries,
+)
 from megatron_rembert.config import ConfigError, check_choice
 from megatron_rembert.data.loader import build_pretraining_loader, build_validation_set
 from megatron_rembert.data.shards import ShardDataset
@@ -178,6 +183,9 @@ def _find_resume(config: Config, meta_now: dict, layout: Layout
                 print(f"rolled back to {config.train.resume_from}: moved "
                       f"{', '.join(p.name for p in moved)} into {moved[0].parent}", flush=True)
         comm.barrier()
+    if comm.rank() == 0 and (stray := unexpected_entries(save_dir)):
+        print(f"{save_dir}: ignored, not checkpoints of this run: {', '.join(stray)}",
+              flush=True)  # once, at start-up; saving and pruning leave them alone
     latest = find_latest(save_dir)
     if latest is None:
         return None, "same"
