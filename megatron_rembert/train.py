@@ -18,6 +18,7 @@ import sys
 
 from megatron_rembert.cli import run_cli
 from megatron_rembert.config import ConfigError
+from megatron_rembert.launch_env import launch_env
 from megatron_rembert.run_config import check_settings, config_help, load_config
 from megatron_rembert.training.signals import StopFlag
 
@@ -40,10 +41,10 @@ def _main(argv: list[str] | None) -> int:
                         help="print sizes, layout, per-rank memory and FLOPs per step; "
                         "allocate nothing and exit")
     parser.add_argument("--world-size", type=int,
-                        default=int(os.environ.get("WORLD_SIZE", 0)) or None,
                         help="number of processes assumed by --dry-run (default: $WORLD_SIZE, "
                         "else tp x pp)")
     args = parser.parse_args(argv)
+    launch = launch_env()  # the launcher's variables, checked before anything uses them
     config = load_config(args.config, args.set)
     # Every check that needs no world size, before torch.distributed, DeepSpeed or the model.
     check_settings(config)
@@ -56,14 +57,23 @@ def _main(argv: list[str] | None) -> int:
                           "installed; pip install wandb, or leave train.wandb_project empty")
     if args.world_size is not None and args.world_size < 1:
         raise ConfigError(f"--world-size {args.world_size}: must be >= 1")
+    from megatron_rembert.training.estimate import check_memory, memory_verdict
+    from megatron_rembert.training.plan import RunPlan
+
+    par = config.parallel
+    world = (args.world_size if args.dry_run else None) or launch.world_size
+    plan = RunPlan.build(config, world or (par.tp * par.pp if args.dry_run else 1))
+    local_world = launch.local_world_size or 1  # ranks on this node, as the launcher says
     if args.dry_run:
         from megatron_rembert.training.dry_run import dry_run_report
-        from megatron_rembert.training.plan import RunPlan
 
-        par = config.parallel
-        plan = RunPlan.build(config, args.world_size or par.tp * par.pp)
         print(dry_run_report(config, plan))
+        fits, said = memory_verdict(plan.stages, launch.local_rank, local_world)
+        print(f"{said}: {'fits' if fits else 'does NOT fit; training would refuse to start'}"
+              f"{'' if fits else ' (parallel.memory_check=false starts anyway)'}")
         return 0
+    # Sizes that cannot fit are refused here, before torch.distributed and the model.
+    check_memory(config, plan.stages, launch.local_rank, local_world)
     # Stop signals are remembered from here on: DeepSpeed and the model start later.
     stop = StopFlag()
     from megatron_rembert.training.loop import train

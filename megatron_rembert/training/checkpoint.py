@@ -12,6 +12,7 @@ refused, never run, even in a checkpoint that predates manifests.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -33,7 +34,14 @@ from megatron_rembert.checkpoint.step_folder import (
     step_tag,
     verify,
 )
-from megatron_rembert.fs import HashingFile, atomic_write_json, sha256_file
+from megatron_rembert.fs import (
+    HashingFile,
+    WriteError,
+    atomic_write_json,
+    sha256_file,
+    write_errors,
+    write_failure,
+)
 from megatron_rembert.parallel import comm
 from megatron_rembert.parallel import random as tp_random
 from megatron_rembert.training.full_tensors import load_full_tensors, load_portable
@@ -58,12 +66,14 @@ class GuardedCheckpointEngine(TorchCheckpointEngine):
         # torch.save writes a path from C++ several times faster than through a Python file
         # object, so the file is hashed right after, from the page cache, by the rank that
         # wrote it (bench/checkpoint_hash.py).
-        torch.save(state_dict, path, _use_new_zipfile_serialization=self.zipfile_serialization)
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)  # on disk before `complete` names the folder good
-        finally:
-            os.close(fd)
+        with write_errors(path):  # a full disk: torch raises a RuntimeError
+            torch.save(state_dict, path,
+                       _use_new_zipfile_serialization=self.zipfile_serialization)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)  # on disk before `complete` names the folder good
+            finally:
+                os.close(fd)
         self.records[str(Path(path).resolve())] = {"size": os.path.getsize(path),
                                                    "sha256": sha256_file(path)}
 
@@ -91,7 +101,9 @@ def save_checkpoint(engine, save_dir: str | Path, step: int, consumed_samples: i
     """Every rank calls this; returns the new folder once it is complete and `latest`.
 
     Refuses (CheckpointError, nothing written) when any weight is non-finite; a failed write
-    (full disk, read-only file system) leaves `latest` naming the last good checkpoint.
+    (full disk, read-only file system, lost mount: whatever exception the writer raised, see
+    fs.write_errors) raises the same `WriteError` on every rank and leaves `latest` naming
+    the last good checkpoint.
     """
     save_dir = Path(save_dir)
     folder = save_dir / step_tag(step)
@@ -107,11 +119,13 @@ def save_checkpoint(engine, save_dir: str | Path, step: int, consumed_samples: i
     guard = _guard(engine)
     guard.records.clear()
 
-    def failure(error: BaseException | None, ranks: int) -> CheckpointError:
-        # A full disk, a read-only file system, a lost mount: said the same way on every rank.
-        reason = f": {error.strerror or error}" if error else ""
-        return CheckpointError(f"saving {folder} failed on {ranks} rank(s){reason}; "
-                               f"{save_dir / LATEST} still names the last good checkpoint")
+    def failure(error: BaseException | None, ranks: int) -> WriteError:
+        # A full disk, a read-only file system, a lost mount: said the same way on every rank
+        # (a rank whose own writes worked says the others failed), one line each.
+        reason = f" ({write_failure(error)})" if isinstance(error, OSError) else ""
+        return WriteError(getattr(error, "errno", None) or errno.EIO,
+                          f"saving failed on {ranks} rank(s){reason}; {save_dir / LATEST} "
+                          "still names the last good checkpoint", str(folder))
 
     try:
         with comm.agree_or_raise(OSError, failure):
@@ -125,7 +139,7 @@ def save_checkpoint(engine, save_dir: str | Path, step: int, consumed_samples: i
                 commit(save_dir, folder,
                        {**meta, "step": step, "consumed_samples": consumed_samples},
                        records, keep_last)
-    except CheckpointError:
+    except (CheckpointError, OSError):
         if comm.rank() == 0 and not (folder / COMPLETE).exists():
             shutil.rmtree(folder, ignore_errors=True)  # the partial folder of a failed save
         raise
@@ -139,7 +153,7 @@ def _save_files(engine, guard: GuardedCheckpointEngine, save_dir: Path, folder: 
                            client_state={"step": step, "consumed_samples": consumed_samples})
     rng_file = folder / "rng" / f"rank_{comm.rank():05d}.pt"
     rng_file.parent.mkdir(parents=True, exist_ok=True)
-    with HashingFile(rng_file) as f:
+    with write_errors(rng_file), HashingFile(rng_file) as f:
         torch.save(tp_random.get_rng_states(), f)
     guard.records[str(rng_file.resolve())] = f.record()
     # Each rank's hashes, as paths relative to the folder (nodes may mount it elsewhere),

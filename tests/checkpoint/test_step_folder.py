@@ -107,8 +107,28 @@ def test_meta_without_a_section_is_one_clear_error(tmp_path):
     meta = json.loads((folder / "meta.json").read_text())
     del meta["layout"]
     (folder / "meta.json").write_text(json.dumps(meta))
+    step_folder.write_manifest(folder, {})  # the manifest agrees: the sections check speaks
     with pytest.raises(CheckpointError, match=r"meta.json: no layout in it"):
         step_folder.read_meta(folder)
+
+
+@pytest.mark.parametrize("damage", ["edited", "truncated"])
+def test_meta_is_checked_against_the_manifest_before_it_is_read(tmp_path, damage):
+    """A hand-edited meta.json (here: a model that is no longer a mapping, which every reader
+    would trip over) or a truncated one is named by the manifest check, before its values."""
+    folder = _save(tmp_path, 1)
+    path = folder / "meta.json"
+    meta = json.loads(path.read_text())
+    if damage == "edited":
+        path.write_text(json.dumps({**meta, "config": {**meta["config"], "model": "tiny"}}))
+    else:
+        path.write_bytes(path.read_bytes()[:-3])
+    # The size differs (or else the sha256): either way the manifest names the file.
+    match = r"meta.json: (\d+ bytes, |sha256 differs from ).*manifest.json"
+    with pytest.raises(CheckpointError, match=match):
+        step_folder.read_meta(folder)
+    with pytest.raises(CheckpointError, match=match):
+        step_folder.find_latest(tmp_path)
 
 
 @pytest.mark.multiprocess
