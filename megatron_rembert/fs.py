@@ -25,6 +25,9 @@ class WriteError(OSError):
     file system), naming the file: `write_errors` makes every failure of a write one of these,
     which every entry point prints as one `error: FILE: reason` line (cli.run_cli, exit 1)."""
 
+    def __str__(self) -> str:
+        return f"{self.filename}: {self.strerror}"
+
 
 @contextmanager
 def write_errors(path: str | os.PathLike) -> Iterator[None]:

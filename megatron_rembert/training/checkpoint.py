@@ -61,19 +61,42 @@ class GuardedCheckpointEngine(TorchCheckpointEngine):
     def __init__(self, config_params=None):
         super().__init__(config_params)
         self.records: dict[str, dict] = {}  # absolute path -> {"size", "sha256"}
+        # The first failed write of this save (a full disk, a lost mount), held until
+        # DeepSpeed's save_checkpoint returns: raised inside it, it would leave this rank out
+        # of the barriers DeepSpeed's save runs between its writes, and the other ranks
+        # waiting there until the collective timeout.
+        self.failed: WriteError | None = None
+
+    def start_save(self) -> None:
+        self.records.clear()
+        self.failed = None
+
+    def makedirs(self, path, exist_ok=False) -> None:
+        if self.failed is None:
+            try:
+                with write_errors(path):
+                    super().makedirs(path, exist_ok=exist_ok)
+            except WriteError as err:
+                self.failed = err
 
     def save(self, state_dict, path: str) -> None:
         # torch.save writes a path from C++ several times faster than through a Python file
         # object, so the file is hashed right after, from the page cache, by the rank that
         # wrote it (bench/checkpoint_hash.py).
-        with write_errors(path):  # a full disk: torch raises a RuntimeError
-            torch.save(state_dict, path,
-                       _use_new_zipfile_serialization=self.zipfile_serialization)
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)  # on disk before `complete` names the folder good
-            finally:
-                os.close(fd)
+        if self.failed is not None:  # this save is lost already; DeepSpeed goes on to its end
+            return
+        try:
+            with write_errors(path):  # a full disk: torch raises a RuntimeError
+                torch.save(state_dict, path,
+                           _use_new_zipfile_serialization=self.zipfile_serialization)
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)  # on disk before `complete` names the folder good
+                finally:
+                    os.close(fd)
+        except WriteError as err:
+            self.failed = err
+            return
         self.records[str(Path(path).resolve())] = {"size": os.path.getsize(path),
                                                    "sha256": sha256_file(path)}
 
@@ -117,7 +140,7 @@ def save_checkpoint(engine, save_dir: str | Path, step: int, consumed_samples: i
         shutil.rmtree(folder, ignore_errors=True)
     comm.barrier()
     guard = _guard(engine)
-    guard.records.clear()
+    guard.start_save()
 
     def failure(error: BaseException | None, ranks: int) -> WriteError:
         # A full disk, a read-only file system, a lost mount: said the same way on every rank
@@ -151,6 +174,8 @@ def _save_files(engine, guard: GuardedCheckpointEngine, save_dir: Path, folder: 
     """This rank's files of the step folder: DeepSpeed's, its RNG states, and its hashes."""
     engine.save_checkpoint(str(save_dir), tag=folder.name, save_latest=False,
                            client_state={"step": step, "consumed_samples": consumed_samples})
+    if guard.failed is not None:  # held through DeepSpeed's barriers (GuardedCheckpointEngine)
+        raise guard.failed
     rng_file = folder / "rng" / f"rank_{comm.rank():05d}.pt"
     rng_file.parent.mkdir(parents=True, exist_ok=True)
     with write_errors(rng_file), HashingFile(rng_file) as f:
