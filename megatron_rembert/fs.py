@@ -87,7 +87,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Any], None], binary: 
         finally:
             if tmp.exists():
                 tmp.unlink()
-    fsync_dir(path.parent)
+        fsync_dir(path.parent)
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:

@@ -35,6 +35,7 @@ def files(tmp_path_factory) -> Path:
     (root / "corpus" / "aa" / "a.txt").write_text("one line of text\n")
     (root / "spm.model").write_bytes(b"\x00")
     _edited_meta_checkpoint(root / "edited_meta")
+    _edited_meta_checkpoint(root / "edited_meta_too")
     return root
 
 
@@ -119,8 +120,10 @@ CASES = [
     ("convert-missing-model", "convert", ["from-hf", "--model", "{d}/nope", "--out", "{o}"],
      "nope"),
     # issue 30: one error line from every failure
-    ("meta-json-edited", "convert", ["to-hf", "--checkpoint", "{d}/edited_meta", "--out",
-     "{o}"], "edited_meta/step_00000001/meta.json: "),
+    # average reads every checkpoint's meta.json to compare them before loading any: the
+    # manifest check comes first (a traceback before)
+    ("meta-json-edited", "convert", ["average", "--checkpoints", "{d}/edited_meta",
+     "{d}/edited_meta_too", "--out", "{o}"], "edited_meta/step_00000001/meta.json: "),
     ("launcher-rank-not-below-world", *_train(), "RANK must be in 0..1",
      {"RANK": "2", "WORLD_SIZE": "2"}),
     ("launcher-world-not-integer", *_train(), "WORLD_SIZE='two'", {"WORLD_SIZE": "two"}),

@@ -202,10 +202,11 @@ def train(config: Config, stop: StopFlag | None = None) -> dict:
     pipeline instruction) and what torch said, on every rank that saw it.
     """
     stop = stop or StopFlag()
-    rank, world, device = setup_distributed(config.parallel.timeout_minutes,
-                                            config.parallel.backend)
-    watchdog = Watchdog(rank, 0.9 * 60 * config.parallel.timeout_minutes).start()
-    try:
+    rank, watchdog = launch_env().rank, None
+    try:  # the rendezvous too: a peer that never comes is a collective failure
+        rank, world, device = setup_distributed(config.parallel.timeout_minutes,
+                                                config.parallel.backend)
+        watchdog = Watchdog(rank, 0.9 * 60 * config.parallel.timeout_minutes).start()
         with _save_dir_locked(config):
             return _train(config, rank, world, device, stop)
     except Exception as err:
@@ -217,7 +218,8 @@ def train(config: Config, stop: StopFlag | None = None) -> dict:
                 f"{config.parallel.timeout_minutes}); torch said: {said}") from err
         raise
     finally:
-        watchdog.stop()
+        if watchdog is not None:
+            watchdog.stop()
 
 
 def _train(config: Config, rank: int, world: int, device: torch.device, stop: StopFlag
