@@ -47,6 +47,11 @@ ROWS = [
     Row("metrics-disk-full-and-its-peer", 2, [], failure="metrics-disk-full",
         per_rank={0: ["{run}/logs/metrics.jsonl", "No space left on device", "GiB free"],
                   1: ["rank 1 was at step", COLLECTIVE]}),
+    # Rank 0 alone rolls back (train.resume_from) and refuses a folder that is not there;
+    # rank 1, waiting for it, names its own position, not a traceback.
+    Row("peer-refused", 2, [], sets={"train.resume_from": "{run}/ckpt/step_00000005"},
+        per_rank={0: ["{run}/ckpt/step_00000005: no such folder"],
+                  1: ["rank 1 was at step 0, start-up", COLLECTIVE]}),
     Row("peer-killed", 2, ["rank 0 was at step", COLLECTIVE], act="kill",
         sets={"train.steps": 10_000}),
     Row("peer-frozen", 2, [COLLECTIVE], act="stop",
@@ -104,7 +109,8 @@ def test_failure_is_one_error_line_per_rank(row, tiny_dataset, tmp_path):
     out.mkdir()
     neighbours.mkdir()
     (neighbours / "other_run_file").write_text("not to be touched")
-    sets = {**data_overrides(*tiny_dataset, run, 2), **row.sets}
+    sets = {**data_overrides(*tiny_dataset, run, 2),
+            **{k: str(v).format(run=run) for k, v in row.sets.items()}}
     before = _tree_hashes(tiny_dataset[0], tiny_dataset[1].parent, tmp_path, skip=run)
     procs, logs = _launch(row, sets, out)
     try:
