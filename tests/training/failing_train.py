@@ -15,9 +15,6 @@ from __future__ import annotations
 import errno
 import os
 import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _checkpoint_disk_full() -> None:
@@ -61,7 +58,6 @@ FAILURES = {"checkpoint-disk-full": _checkpoint_disk_full,
             "metrics-disk-full": _metrics_disk_full}
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     if os.environ.get("FAILING_RANK", "0") == os.environ.get("RANK", "0"):
         FAILURES[os.environ["FAILURE"]]()
     from megatron_rembert.train import main
