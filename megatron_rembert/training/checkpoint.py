@@ -108,8 +108,21 @@ class GuardedCheckpointEngine(TorchCheckpointEngine):
 def _guard(engine) -> GuardedCheckpointEngine:
     current = getattr(engine, "checkpoint_engine", None)
     if not isinstance(current, GuardedCheckpointEngine):
-        engine.checkpoint_engine = GuardedCheckpointEngine(engine._config)
-    return engine.checkpoint_engine
+        engine.checkpoint_engine = current = GuardedCheckpointEngine(engine._config)
+        # The one write DeepSpeed's save makes outside its checkpoint engine (rank 0 copies
+        # its recovery scripts between the ZeRO files and the final barrier): held the same way.
+        copy_scripts = engine._copy_recovery_script
+
+        def held(save_path: str) -> None:
+            if current.failed is None:
+                try:
+                    with write_errors(save_path):
+                        copy_scripts(save_path)
+                except WriteError as err:
+                    current.failed = err
+
+        engine._copy_recovery_script = held
+    return current
 
 
 def _non_finite_parameters(engine) -> int:

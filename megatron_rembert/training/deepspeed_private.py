@@ -13,6 +13,9 @@ from __future__ import annotations
 PRIVATE_NAMES = {
     "deepspeed.runtime.pipe.module.PipelineModule": ("_partition_layers", "_set_bounds"),
     "deepspeed.runtime.pipe.engine.PipelineEngine": ("_INSTRUCTION_MAP",),
+    # copies zero_to_fp32.py into a ZeRO checkpoint mid-save (training/checkpoint.py holds
+    # its failure like the engine's other writes)
+    "deepspeed.runtime.engine.DeepSpeedEngine": ("_copy_recovery_script",),
     "deepspeed.runtime.bf16_optimizer.BF16_Optimizer": ("_lazy_init_hp_params_optimizer_state",),
     "deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer": (
         "_lazy_init_hp_params_optimizer_state",),
