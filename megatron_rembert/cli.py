@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from megatron_rembert.errors import UserError
+from megatron_rembert.errors import RunError, UserError
 from megatron_rembert.fs import write_failure
 
 
@@ -18,8 +18,9 @@ def run_cli(main: Callable[[list[str] | None], int | None], argv: list[str] | No
 
     A `UserError` (bad settings or input) becomes one `error: ...` line on stderr and exit 2;
     an `OSError` (a full disk, a read-only or lost file system) one `error: FILE: reason` line,
-    followed by `on_os_error` (what to do next) if given, and exit 1. Anything else keeps its
-    traceback (exit 1): it is a bug or a failure the message alone would not explain."""
+    followed by `on_os_error` (what to do next) if given, and exit 1; a `RunError` (a peer
+    rank died or froze) its one line and exit 1. Anything else keeps its traceback (exit 1):
+    it is a bug or a failure the message alone would not explain."""
     try:
         return main(argv) or 0
     except UserError as err:
@@ -28,6 +29,9 @@ def run_cli(main: Callable[[list[str] | None], int | None], argv: list[str] | No
     except OSError as err:
         hint = f"; {on_os_error}" if on_os_error else ""
         print(f"error: {write_failure(err)}{hint}", file=sys.stderr)
+        return 1
+    except RunError as err:
+        print(f"error: {err}", file=sys.stderr)
         return 1
 
 

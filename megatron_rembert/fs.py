@@ -8,14 +8,53 @@ checkpoints, training and the converters share one implementation of each.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+
+# -- one rule for every failed write ----------------------------------------------------------
+class WriteError(OSError):
+    """A write that failed for a reason outside the program (full disk, lost mount, read-only
+    file system), naming the file: `write_errors` makes every failure of a write one of these,
+    which every entry point prints as one `error: FILE: reason` line (cli.run_cli, exit 1)."""
+
+    def __str__(self) -> str:
+        return f"{self.filename}: {self.strerror}"
+
+
+@contextmanager
+def write_errors(path: str | os.PathLike) -> Iterator[None]:
+    """Every write goes through this (`atomic_write`, `HashingFile`, the checkpoint engine's
+    `torch.save`, the metrics logs): an `OSError` or a `RuntimeError` raised while writing
+    `path` becomes a `WriteError` naming `path`. torch's writer reports a full disk as a
+    RuntimeError ("PytorchStreamWriter failed writing file ... file write failed") and a
+    Python file's `write()` an OSError without the file's name; either way the user sees
+    which file failed and how much room is left. The outermost call names the file (an atomic
+    write names its target, not its temp file). Other errors (a bug) keep their traceback."""
+    try:
+        yield
+    except (OSError, RuntimeError) as err:
+        raise _write_error(Path(path), err) from err
+
+
+def _write_error(path: Path, err: BaseException) -> WriteError:
+    if isinstance(err, WriteError):
+        return WriteError(err.errno, err.strerror, str(path))
+    first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    reason = f"writing failed: {getattr(err, 'strerror', None) or first_line}"
+    try:
+        reason += f" ({shutil.disk_usage(path.parent).free / 2**30:.2f} GiB free there)"
+    except OSError:
+        reason += " (its folder cannot be reached: a lost mount?)"
+    return WriteError(getattr(err, "errno", None) or errno.EIO, reason, str(path))
 
 
 # -- writing so that a kill never leaves half of a file ----------------------------------------
@@ -40,22 +79,23 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Any], None], binary: 
     """Write `path` via a temp file in the same folder, fsync, then rename: a reader (or a
     rerun after a kill) sees either the old file, no file, or the whole new file."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
-    tmp.unlink(missing_ok=True)  # debris of a killed writer; a link there is removed, not followed
-    # A new file, never through a link: the rename then replaces a link at `path` itself, not
-    # the file it points to.
-    try:
-        with open(tmp, "wb" if binary else "w", opener=_new_file_opener,
-                  **({} if binary else {"encoding": "utf-8"})) as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    fsync_dir(path.parent)
+    with write_errors(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.unlink(missing_ok=True)  # debris of a killed writer; a link there is removed
+        # A new file, never through a link: the rename then replaces a link at `path` itself,
+        # not the file it points to.
+        try:
+            with open(tmp, "wb" if binary else "w", opener=_new_file_opener,
+                      **({} if binary else {"encoding": "utf-8"})) as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+        fsync_dir(path.parent)
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
@@ -79,7 +119,8 @@ class HashingFile:
 
     def __init__(self, path: str | os.PathLike | None = None, file=None):
         self._own = file is None
-        self._file = open(path, "wb") if self._own else file  # noqa: SIM115 - closed in close
+        with write_errors(path or getattr(file, "name", "")):
+            self._file = open(path, "wb") if self._own else file  # noqa: SIM115 - in close
         self.name = str(path) if self._own else getattr(file, "name", "")  # as a file has
         self._hash = hashlib.sha256()
         self.size = 0
@@ -92,16 +133,21 @@ class HashingFile:
         view = memoryview(data).cast("B")
         self._hash.update(view)
         self.size += len(view)
-        return self._file.write(view)
+        with write_errors(self.name):
+            return self._file.write(view)
 
     def flush(self) -> None:
-        self._file.flush()
+        with write_errors(self.name):
+            self._file.flush()
 
     def close(self) -> None:
         if self._own and not self._file.closed:
-            self._file.flush()
-            os.fsync(self._file.fileno())  # on disk before anything names the file good
-            self._file.close()
+            try:
+                with write_errors(self.name):
+                    self._file.flush()
+                    os.fsync(self._file.fileno())  # on disk before anything names it good
+            finally:
+                self._file.close()
 
     def record(self) -> dict:
         """The manifest entry of this file: {"size", "sha256"}."""

@@ -58,6 +58,10 @@ class ParallelConfig:
     # Each pipeline stage's estimated memory per rank stays under this many GiB (0 = no cap);
     # within it, stages are balanced by FLOPs (`--dry-run` prints the split)
     stage_memory_gib: float = 0.0
+    # Refuse to start when --dry-run's memory estimate per rank exceeds the machine's memory
+    # per rank (GPU memory on CUDA; host RAM on CPU, shared by the node's ranks); false: start
+    # anyway (the estimate is off for your setup)
+    memory_check: bool = True
     # A collective waiting longer than this fails, naming each rank's step and instruction
     timeout_minutes: float = 10.0
     # auto: nccl on GPUs, gloo on CPUs; gloo on GPUs lets several ranks share one GPU (checks;

@@ -6,7 +6,8 @@ Launch one process per GPU with torchrun (or SLURM, see slurm/); on CPU the rank
 Exit codes: 0 done, or stopped by SIGTERM / SIGUSR1 / Ctrl-C after saving at the step
 boundary (during start-up: nothing to save yet); 2 bad settings or input (one `error:` line,
 before any heavy work); 130 a second Ctrl-C (no save; the last complete checkpoint is kept);
-1 a file-system failure (one `error:` line naming the file) or anything else.
+1 a failed write (one `error:` line naming the file), a peer rank that died, froze or stopped
+on its own error (one line naming this rank's position), or anything else.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import sys
 
 from megatron_rembert.cli import run_cli
 from megatron_rembert.config import ConfigError
+from megatron_rembert.launch_env import launch_env
 from megatron_rembert.run_config import check_settings, config_help, load_config
 from megatron_rembert.training.signals import StopFlag
 
@@ -40,10 +42,10 @@ def _main(argv: list[str] | None) -> int:
                         help="print sizes, layout, per-rank memory and FLOPs per step; "
                         "allocate nothing and exit")
     parser.add_argument("--world-size", type=int,
-                        default=int(os.environ.get("WORLD_SIZE", 0)) or None,
                         help="number of processes assumed by --dry-run (default: $WORLD_SIZE, "
                         "else tp x pp)")
     args = parser.parse_args(argv)
+    launch = launch_env()  # the launcher's variables, checked before anything uses them
     config = load_config(args.config, args.set)
     # Every check that needs no world size, before torch.distributed, DeepSpeed or the model.
     check_settings(config)
@@ -56,14 +58,23 @@ def _main(argv: list[str] | None) -> int:
                           "installed; pip install wandb, or leave train.wandb_project empty")
     if args.world_size is not None and args.world_size < 1:
         raise ConfigError(f"--world-size {args.world_size}: must be >= 1")
+    from megatron_rembert.training.estimate import check_memory, memory_verdict
+    from megatron_rembert.training.plan import RunPlan
+
+    par = config.parallel
+    world = (args.world_size if args.dry_run else None) or launch.world_size
+    plan = RunPlan.build(config, world or (par.tp * par.pp if args.dry_run else 1))
+    local_world = launch.local_world_size or 1  # ranks on this node, as the launcher says
     if args.dry_run:
         from megatron_rembert.training.dry_run import dry_run_report
-        from megatron_rembert.training.plan import RunPlan
 
-        par = config.parallel
-        plan = RunPlan.build(config, args.world_size or par.tp * par.pp)
         print(dry_run_report(config, plan))
+        fits, said = memory_verdict(plan.stages, launch.local_rank, local_world)
+        print(f"{said}: {'fits' if fits else 'does NOT fit; training would refuse to start'}"
+              f"{'' if fits else ' (parallel.memory_check=false starts anyway)'}")
         return 0
+    # Sizes that cannot fit are refused here, before torch.distributed and the model.
+    check_memory(config, plan.stages, launch.local_rank, local_world)
     # Stop signals are remembered from here on: DeepSpeed and the model start later.
     stop = StopFlag()
     from megatron_rembert.training.loop import train

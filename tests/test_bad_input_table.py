@@ -39,6 +39,8 @@ def files(tmp_path_factory) -> Path:
     (root / "corpus" / "aa" / "a.txt").write_text("one line of text\n")
     (root / "spm.model").write_bytes(b"\x00")
     _outside_their_folder(root)
+    _edited_meta_checkpoint(root / "edited_meta")
+    _edited_meta_checkpoint(root / "edited_meta_too")
     return root
 
 
@@ -103,6 +105,21 @@ def _outside_their_folder(root: Path) -> None:
     (mine / "manifest.json").write_text(json.dumps(listed))
 
 
+def _edited_meta_checkpoint(save_dir: Path) -> None:
+    """A committed step folder whose meta.json was edited by hand afterwards (its model no
+    longer a mapping, which every reader of the values would trip over)."""
+    import json
+
+    from megatron_rembert.checkpoint.step_folder import commit
+
+    folder = save_dir / "step_00000001"
+    folder.mkdir(parents=True)
+    meta = {"config": {"model": {"preset": "tiny"}}, "layout": {"dp": 1, "tp": 1, "pp": 1},
+            "step": 1, "consumed_samples": 8}
+    commit(save_dir, folder, meta, {})
+    (folder / "meta.json").write_text(json.dumps({**meta, "config": {"model": "tiny"}}))
+
+
 def _train(*sets, config=TINY):
     args = ["--config", config, "--dry-run"]
     for item in sets:
@@ -110,8 +127,8 @@ def _train(*sets, config=TINY):
     return ("train.py", args)
 
 
-# (id, entry point, argv, what the error line must name, output that must not appear). In
-# argv and in the last two fields, {d} is the fixture folder and {o} a fresh output folder.
+# (id, entry point, argv, what the error line must name[, environment variables]). In argv
+# and in the names, {d} is the fixture folder and {o} a fresh output folder.
 CASES = [
     ("lr-nan", *_train("optim.lr=nan"), "optim.lr"),
     ("lr-inf", *_train("optim.lr=.inf"), "optim.lr"),
@@ -225,6 +242,25 @@ CASES = [
     ("checkpoint-manifest-file-outside", "convert", ["to-hf", "--checkpoint",
      "{d}/run_manifest_out", "--out", "{o}"],
      "{d}/run_manifest_out/step_00000002/manifest.json: names '../../other_run/"),
+    # issue 30: one error line from every failure
+    # average reads every checkpoint's meta.json to compare them before loading any: the
+    # manifest check comes first (a traceback before)
+    ("meta-json-edited", "convert", ["average", "--checkpoints", "{d}/edited_meta",
+     "{d}/edited_meta_too", "--out", "{o}"], "edited_meta/step_00000001/meta.json: "),
+    ("launcher-rank-not-below-world", *_train(), "RANK must be in 0..1",
+     {"RANK": "2", "WORLD_SIZE": "2"}),
+    ("launcher-world-not-integer", *_train(), "WORLD_SIZE='two'", {"WORLD_SIZE": "two"}),
+    ("launcher-local-rank-over-local-world", *_train(), "LOCAL_RANK must be below",
+     {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "1"}),
+    ("launcher-world-without-rank", *_train(), "WORLD_SIZE > 1 without RANK",
+     {"WORLD_SIZE": "4"}),
+    # Not a --dry-run: the real start refuses before torch.distributed and the model. Sizes
+    # no machine holds (thousands of GiB per rank), whatever this one has.
+    ("memory-cannot-fit", "train.py", ["--config", TINY, "--set", "train.save_dir={o}/ckpt",
+     "--set", "train.log_dir={o}/logs", "--set", "model.hidden_size=4096", "--set",
+     "model.intermediate_size=16384", "--set", "model.num_attention_heads=32", "--set",
+     "train.micro_batch_size=65536", "--set", "train.global_batch_size=65536"],
+     "parallel.memory_check=false starts anyway"),
 ]
 
 
@@ -285,10 +321,14 @@ def _snapshot(folder: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_bad_input_is_one_error_line(case, files, tmp_path, capsys, request):
-    _, tool, argv, names = case
+def test_bad_input_is_one_error_line(case, files, tmp_path, capsys, monkeypatch, request):
+    _, tool, argv, names, *env = case
     if any("{d}/conv/" in a for a in argv):
         request.getfixturevalue("convert_inputs")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in (env[0] if env else {}).items():  # the launcher's variables
+        monkeypatch.setenv(name, value)
     out = tmp_path / "out"
     fill = {"d": str(files), "o": str(out)}
     before = _snapshot(files)

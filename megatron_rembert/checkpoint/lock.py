@@ -2,8 +2,11 @@
 
 A second run on the same folder refuses to start. A lock is stale, and taken over, when its pid
 is dead on this host (the run was killed -9) or when it was taken by an earlier incarnation of
-this SLURM job (a requeue runs only after that one ended, maybe on another node). Any other
-lock from another host cannot be checked from here: the message says which host to look at.
+this SLURM job (a requeue runs only after that one ended, maybe on another node), and when it
+is empty or unreadable and older than `UNWRITTEN_SECONDS` (its owner was killed between
+creating it and writing its record, microseconds apart: no live run leaves one like that).
+Any other lock from another host cannot be checked from here: the message says which host to
+look at.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from pathlib import Path
 from megatron_rembert.checkpoint import CheckpointError
 
 LOCK = ".lock"
+# A lock without a record this old is stale: a run writes its record right after creating it.
+UNWRITTEN_SECONDS = 10.0
 
 
 def _alive(pid: int) -> bool:
@@ -46,10 +51,14 @@ class SaveDirLock:
                 except FileExistsError:
                     self._check_holder()
                     continue
-                with os.fdopen(fd, "w") as f:
-                    json.dump({"host": socket.gethostname(), "pid": os.getpid(),
-                               "slurm_job": os.environ.get("SLURM_JOB_ID"),
-                               "since": time.strftime("%Y-%m-%d %H:%M:%S")}, f)
+                try:
+                    with os.fdopen(fd, "w") as f:
+                        json.dump({"host": socket.gethostname(), "pid": os.getpid(),
+                                   "slurm_job": os.environ.get("SLURM_JOB_ID"),
+                                   "since": time.strftime("%Y-%m-%d %H:%M:%S")}, f)
+                except OSError:  # a full disk: no empty lock left behind
+                    self.path.unlink(missing_ok=True)
+                    raise
                 self.held = True
                 return
         except OSError as err:
@@ -62,8 +71,11 @@ class SaveDirLock:
         try:
             holder = json.loads(self.path.read_text())
             host, pid = holder["host"], int(holder["pid"])
+        except FileNotFoundError:
+            return  # released meanwhile: try again
         except (OSError, ValueError, KeyError, TypeError):
-            holder, host, pid = {}, "?", -1
+            self._check_unwritten()
+            return
         job = os.environ.get("SLURM_JOB_ID")
         dead = host == socket.gethostname() and pid > 0 and not _alive(pid)
         if dead or (job and holder.get("slurm_job") == job):
@@ -73,6 +85,20 @@ class SaveDirLock:
             f"{self.flag}={self.path.parent} is in use by pid {pid} on host {host} (since "
             f"{holder.get('since', '?')}, lock file {self.path}); stop that run first, or "
             "delete the lock file if it is gone")
+
+    def _check_unwritten(self) -> None:
+        """A lock without a readable record: stale once it is old enough (see the module)."""
+        try:
+            age = time.time() - self.path.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age >= UNWRITTEN_SECONDS:
+            self.path.unlink(missing_ok=True)
+            return
+        raise CheckpointError(
+            f"{self.flag}={self.path.parent}: its lock file {self.path} has no owner record "
+            f"yet (created {age:.0f} s ago): another run may be taking it right now; retry in "
+            f"{UNWRITTEN_SECONDS:.0f} s, when an unwritten lock counts as stale")
 
     def release(self) -> None:
         if self.held:

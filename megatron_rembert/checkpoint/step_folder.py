@@ -82,8 +82,11 @@ def check_step_dir(folder: str | Path) -> Path:
 
 
 def read_meta(folder: Path) -> dict:
-    """meta.json, checked for the sections every reader needs."""
+    """meta.json, checked against manifest.json first (a hand-edited or truncated meta.json is
+    named as such before anything reads its values), then for the sections every reader
+    needs."""
     path = Path(folder) / META
+    check_against_manifest(Path(folder), META)
     try:
         meta = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:
@@ -201,6 +204,46 @@ def write_manifest(folder: Path, records: dict[str, dict]) -> None:
     atomic_write_json(folder / MANIFEST, {"version": 1, "files": files})
 
 
+def _manifest_files(folder: Path) -> dict[str, dict] | None:
+    """manifest.json's {relative path: {"size", "sha256"}}, None for a folder without one."""
+    path = folder / MANIFEST
+    if not path.exists():
+        return None
+    try:
+        files = json.loads(path.read_text())["files"]
+        if not all(isinstance(r, dict) and isinstance(r["size"], int)
+                   and isinstance(r["sha256"], str) for r in files.values()):
+            raise TypeError("an entry without an integer size and a sha256")
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
+        raise CheckpointError(f"{path}: unreadable ({err}); restore it from a copy of the "
+                              "checkpoint") from err
+    return files
+
+
+def _check_file(folder: Path, rel: str, record: dict, path: Path, hash_it: bool = True) -> None:
+    file = inside(folder, rel, path, CheckpointError)  # a name read from the manifest
+    if not file.is_file():
+        raise CheckpointError(f"{file}: no such file (listed in {path})")
+    size = file.stat().st_size
+    if size != record["size"]:
+        raise CheckpointError(f"{file}: {size} bytes, {path} says {record['size']}: the "
+                              "file is truncated or replaced; restore it from a copy")
+    if hash_it and sha256_file(file) != record["sha256"]:
+        raise CheckpointError(f"{file}: sha256 differs from {path}: the file is corrupt, "
+                              "edited or replaced; restore it from a copy")
+
+
+def check_against_manifest(folder: Path, rel: str) -> None:
+    """One file of the folder against manifest.json (nothing to check without a manifest)."""
+    files = _manifest_files(folder)
+    if files is None:
+        return
+    if rel not in files:
+        raise CheckpointError(f"{folder / rel}: not in {folder / MANIFEST}; a file added after "
+                              "the save is not trusted: restore the folder from a copy")
+    _check_file(folder, rel, files[rel], folder / MANIFEST)
+
+
 def verify(folder: Path, share: tuple[int, int] = (0, 1)) -> bool:
     """Check every file against manifest.json before anything is unpickled; False when the
     folder predates manifests. Raises naming the first file that differs.
@@ -208,27 +251,15 @@ def verify(folder: Path, share: tuple[int, int] = (0, 1)) -> bool:
     share=(i, n): hash only every n-th file starting at i (n processes split the reading);
     sizes and the file list are checked in full by everyone."""
     path = folder / MANIFEST
-    if not path.exists():
+    files = _manifest_files(folder)
+    if files is None:
         return False
-    try:
-        files = json.loads(path.read_text())["files"]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as err:
-        raise CheckpointError(f"{path}: unreadable ({err})") from err
     unlisted = sorted(set(_listed_files(folder)) - set(files))
     if unlisted:
         raise CheckpointError(f"{folder / unlisted[0]}: not in {path}; a file added after the "
                               "save is not trusted: remove it")
     for i, (rel, record) in enumerate(sorted(files.items())):
-        file = inside(folder, rel, path, CheckpointError)
-        if not file.is_file():
-            raise CheckpointError(f"{file}: no such file (listed in {path})")
-        size = file.stat().st_size
-        if size != record["size"]:
-            raise CheckpointError(f"{file}: {size} bytes, {path} says {record['size']}: the "
-                                  "file is truncated or replaced; restore it from a copy")
-        if i % share[1] == share[0] and sha256_file(file) != record["sha256"]:
-            raise CheckpointError(f"{file}: sha256 differs from {path}: the file is corrupt "
-                                  "or replaced; restore it from a copy")
+        _check_file(folder, rel, record, path, hash_it=i % share[1] == share[0])
     return True
 
 

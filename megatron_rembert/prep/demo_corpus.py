@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_rembert.fs import write_errors
+
 
 def _chars(a: int, b: int) -> str:
     return "".join(chr(c) for c in range(a, b + 1))
@@ -148,7 +150,7 @@ def make_demo_corpus(
                  "latn_a": ["part-00000.txt", "part-00001.txt"]}.get(lang.code, ["part-00000.txt"])
         written, n_docs = 0, 0
         for i, name in enumerate(names):
-            with _open_out(d / name) as f:
+            with write_errors(d / name), _open_out(d / name) as f:  # one line naming it
                 while written < target * (i + 1) / len(names):
                     text = g.document()
                     line = json.dumps({"text": text}, ensure_ascii=False) if ".jsonl" in name \

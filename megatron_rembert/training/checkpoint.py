@@ -12,6 +12,7 @@ refused, never run, even in a checkpoint that predates manifests.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -34,7 +35,14 @@ from megatron_rembert.checkpoint.step_folder import (
     step_tag,
     verify,
 )
-from megatron_rembert.fs import HashingFile, atomic_write_json, sha256_file
+from megatron_rembert.fs import (
+    HashingFile,
+    WriteError,
+    atomic_write_json,
+    sha256_file,
+    write_errors,
+    write_failure,
+)
 from megatron_rembert.parallel import comm
 from megatron_rembert.parallel import random as tp_random
 from megatron_rembert.training import deepspeed_private
@@ -55,17 +63,42 @@ class GuardedCheckpointEngine(TorchCheckpointEngine):
     def __init__(self, config_params=None):
         super().__init__(config_params)
         self.records: dict[str, dict] = {}  # absolute path -> {"size", "sha256"}
+        # The first failed write of this save (a full disk, a lost mount), held until
+        # DeepSpeed's save_checkpoint returns: raised inside it, it would leave this rank out
+        # of the barriers DeepSpeed's save runs between its writes, and the other ranks
+        # waiting there until the collective timeout.
+        self.failed: WriteError | None = None
+
+    def start_save(self) -> None:
+        self.records.clear()
+        self.failed = None
+
+    def makedirs(self, path, exist_ok=False) -> None:
+        if self.failed is None:
+            try:
+                with write_errors(path):
+                    super().makedirs(path, exist_ok=exist_ok)
+            except WriteError as err:
+                self.failed = err
 
     def save(self, state_dict, path: str) -> None:
         # torch.save writes a path from C++ several times faster than through a Python file
         # object, so the file is hashed right after, from the page cache, by the rank that
         # wrote it (bench/checkpoint_hash.py).
-        torch.save(state_dict, path, _use_new_zipfile_serialization=self.zipfile_serialization)
-        fd = os.open(path, os.O_RDONLY)
+        if self.failed is not None:  # this save is lost already; DeepSpeed goes on to its end
+            return
         try:
-            os.fsync(fd)  # on disk before `complete` names the folder good
-        finally:
-            os.close(fd)
+            with write_errors(path):  # a full disk: torch raises a RuntimeError
+                torch.save(state_dict, path,
+                           _use_new_zipfile_serialization=self.zipfile_serialization)
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)  # on disk before `complete` names the folder good
+                finally:
+                    os.close(fd)
+        except WriteError as err:
+            self.failed = err
+            return
         self.records[str(Path(path).resolve())] = {"size": os.path.getsize(path),
                                                    "sha256": sha256_file(path)}
 
@@ -78,8 +111,20 @@ def _guard(engine) -> GuardedCheckpointEngine:
     current = getattr(engine, "checkpoint_engine", None)
     if not isinstance(current, GuardedCheckpointEngine):
         config = deepspeed_private.engine_config(engine)
-        engine.checkpoint_engine = GuardedCheckpointEngine(config)
-    return engine.checkpoint_engine
+        engine.checkpoint_engine = current = GuardedCheckpointEngine(config)
+
+        # The one write DeepSpeed's save makes outside its checkpoint engine (rank 0 copies
+        # its recovery scripts between the ZeRO files and the final barrier): held the same way.
+        def held(copy_scripts, save_path: str) -> None:
+            if current.failed is None:
+                try:
+                    with write_errors(save_path):
+                        copy_scripts(save_path)
+                except WriteError as err:
+                    current.failed = err
+
+        deepspeed_private.route_recovery_script_copy(engine, held)
+    return current
 
 
 def _non_finite_parameters(engine) -> int:
@@ -94,7 +139,9 @@ def save_checkpoint(engine, save_dir: str | Path, step: int, consumed_samples: i
     """Every rank calls this; returns the new folder once it is complete and `latest`.
 
     Refuses (CheckpointError, nothing written) when any weight is non-finite; a failed write
-    (full disk, read-only file system) leaves `latest` naming the last good checkpoint.
+    (full disk, read-only file system, lost mount: whatever exception the writer raised, see
+    fs.write_errors) raises the same `WriteError` on every rank and leaves `latest` naming
+    the last good checkpoint.
     """
     save_dir = Path(save_dir)
     folder = save_dir / step_tag(step)
@@ -108,13 +155,15 @@ def save_checkpoint(engine, save_dir: str | Path, step: int, consumed_samples: i
         clear_save_paths(save_dir, folder)
     comm.barrier()
     guard = _guard(engine)
-    guard.records.clear()
+    guard.start_save()
 
-    def failure(error: BaseException | None, ranks: int) -> CheckpointError:
-        # A full disk, a read-only file system, a lost mount: said the same way on every rank.
-        reason = f": {error.strerror or error}" if error else ""
-        return CheckpointError(f"saving {folder} failed on {ranks} rank(s){reason}; "
-                               f"{save_dir / LATEST} still names the last good checkpoint")
+    def failure(error: BaseException | None, ranks: int) -> WriteError:
+        # A full disk, a read-only file system, a lost mount: said the same way on every rank
+        # (a rank whose own writes worked says the others failed), one line each.
+        reason = f" ({write_failure(error)})" if isinstance(error, OSError) else ""
+        return WriteError(getattr(error, "errno", None) or errno.EIO,
+                          f"saving failed on {ranks} rank(s){reason}; {save_dir / LATEST} "
+                          "still names the last good checkpoint", str(folder))
 
     try:
         with comm.agree_or_raise(OSError, failure):
@@ -128,7 +177,7 @@ def save_checkpoint(engine, save_dir: str | Path, step: int, consumed_samples: i
                 commit(save_dir, folder,
                        {**meta, "step": step, "consumed_samples": consumed_samples},
                        records, keep_last)
-    except CheckpointError:
+    except (CheckpointError, OSError):
         if comm.rank() == 0 and not (folder / COMPLETE).exists():
             shutil.rmtree(folder, ignore_errors=True)  # the partial folder of a failed save
         raise
@@ -140,9 +189,11 @@ def _save_files(engine, guard: GuardedCheckpointEngine, save_dir: Path, folder: 
     """This rank's files of the step folder: DeepSpeed's, its RNG states, and its hashes."""
     engine.save_checkpoint(str(save_dir), tag=folder.name, save_latest=False,
                            client_state={"step": step, "consumed_samples": consumed_samples})
+    if guard.failed is not None:  # held through DeepSpeed's barriers (GuardedCheckpointEngine)
+        raise guard.failed
     rng_file = folder / "rng" / f"rank_{comm.rank():05d}.pt"
     rng_file.parent.mkdir(parents=True, exist_ok=True)
-    with HashingFile(rng_file) as f:
+    with write_errors(rng_file), HashingFile(rng_file) as f:
         torch.save(tp_random.get_rng_states(), f)
     guard.records[str(rng_file.resolve())] = f.record()
     # Each rank's hashes, as paths relative to the folder (nodes may mount it elsewhere),

@@ -13,6 +13,9 @@ from __future__ import annotations
 PRIVATE_NAMES = {
     "deepspeed.runtime.pipe.module.PipelineModule": ("_partition_layers", "_set_bounds"),
     "deepspeed.runtime.pipe.engine.PipelineEngine": ("_INSTRUCTION_MAP",),
+    # copies zero_to_fp32.py into a ZeRO checkpoint mid-save (training/checkpoint.py holds
+    # its failure like the engine's other writes)
+    "deepspeed.runtime.engine.DeepSpeedEngine": ("_copy_recovery_script",),
     "deepspeed.runtime.bf16_optimizer.BF16_Optimizer": ("_lazy_init_hp_params_optimizer_state",),
     "deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer": (
         "_lazy_init_hp_params_optimizer_state",),
@@ -134,3 +137,11 @@ def fragment_address(param):
     `.numel`), or None when the partition holds none of it (DeepSpeed's `_hp_mapping`)."""
     mapping = getattr(param, "_hp_mapping", None)
     return None if mapping is None else mapping.hp_fragment_address
+
+
+def route_recovery_script_copy(engine, held) -> None:
+    """DeepSpeed's save copies its recovery scripts (rank 0, between the ZeRO files and the
+    final barrier) outside its checkpoint engine: that copy now runs as
+    `held(copy, save_path)`."""
+    copy = engine._copy_recovery_script
+    engine._copy_recovery_script = lambda save_path: held(copy, save_path)

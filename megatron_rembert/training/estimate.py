@@ -4,7 +4,9 @@ split balanced by them (`stage_plan`, which the run plan calls once; training/pl
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from megatron_rembert.config import ConfigError
 from megatron_rembert.data.schedule import DataPlan
@@ -149,3 +151,54 @@ def memory_estimate(stages: StagePlan) -> dict:
     """Bytes per rank on the pipeline stage that needs the most memory."""
     busiest = max(range(len(stages.memory)), key=stages.total_memory)
     return {**stages.memory[busiest], "params_per_rank": stages.parameters[busiest]}
+
+
+# -- the estimate against the machine ---------------------------------------------------------
+def machine_memory_per_rank(local_rank: int, local_world_size: int) -> tuple[float, str]:
+    """Bytes of memory one rank of this node can have, and what they are, in words: the GPU's
+    memory shared by the ranks that use it (ranks beyond the GPU count share GPUs), or on CPU
+    the host's RAM (or the container's limit, if lower) shared by the node's ranks."""
+    import torch
+
+    if torch.cuda.is_available():
+        gpus = torch.cuda.device_count()
+        index = local_rank % gpus
+        sharing = math.ceil(local_world_size / gpus)
+        total = torch.cuda.get_device_properties(index).total_memory
+        return total / sharing, (f"GPU memory of cuda:{index} ({total / 2**30:.1f} GiB, "
+                                 f"{sharing} rank(s) on it)")
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:  # a container's limit (cgroup v2), when it is lower
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        total = min(total, int(limit)) if limit.isdigit() else total
+    except OSError:
+        pass
+    return total / local_world_size, (f"host RAM ({total / 2**30:.1f} GiB, "
+                                      f"{local_world_size} rank(s) on this node)")
+
+
+def memory_verdict(stages: StagePlan, local_rank: int, local_world_size: int
+                   ) -> tuple[bool, str]:
+    """Whether `--dry-run`'s per-rank estimate fits this machine, and one sentence saying so."""
+    mem = memory_estimate(stages)
+    need = sum(mem[k] for k in MEMORY_KEYS)
+    have, what = machine_memory_per_rank(local_rank, local_world_size)
+    fits = need <= have
+    return fits, (f"the run needs about {need / 2**30:.2f} GiB per rank (--dry-run's estimate "
+                  f"for the most loaded stage) and this machine has {have / 2**30:.2f} GiB per "
+                  f"rank: {what}")
+
+
+def check_memory(config: Config, stages: StagePlan, local_rank: int, local_world_size: int
+                 ) -> None:
+    """Refuse a run whose estimate cannot fit before anything is allocated (unless
+    parallel.memory_check=false): it would otherwise die minutes later in an out-of-memory
+    error, or push the host into swap."""
+    if not config.parallel.memory_check:
+        return
+    fits, said = memory_verdict(stages, local_rank, local_world_size)
+    if not fits:
+        raise ConfigError(f"{said}; lower train.micro_batch_size or data.seq_length, raise "
+                          "parallel.tp, parallel.pp or parallel.zero_stage, or set "
+                          "parallel.activation_checkpointing=true (`--dry-run` shows the "
+                          "effect); parallel.memory_check=false starts anyway")

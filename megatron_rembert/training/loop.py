@@ -23,7 +23,9 @@ from megatron_rembert.checkpoint.step_folder import (
 from megatron_rembert.config import ConfigError, check_choice
 from megatron_rembert.data.loader import build_pretraining_loader, build_validation_set
 from megatron_rembert.data.shards import ShardDataset
+from megatron_rembert.errors import RunError
 from megatron_rembert.fs import sha256_file
+from megatron_rembert.launch_env import launch_env
 from megatron_rembert.model.sizes import flops_per_token
 from megatron_rembert.parallel import comm, state
 from megatron_rembert.parallel import random as tp_random
@@ -43,8 +45,9 @@ from megatron_rembert.training.plan import RunPlan
 from megatron_rembert.training.signals import StopFlag
 
 
-class TrainingError(RuntimeError):
-    pass
+class TrainingError(RunError):
+    """The run cannot go on (a peer died or froze, the losses stopped being finite): one
+    `error:` line naming this rank's position, exit 1 (cli.run_cli)."""
 
 
 def setup_distributed(timeout_minutes: float = 10.0, backend: str = "auto"
@@ -57,7 +60,7 @@ def setup_distributed(timeout_minutes: float = 10.0, backend: str = "auto"
 
     check_choice("parallel.backend", backend, CHOICES["parallel.backend"])  # before the plan
     cuda = torch.cuda.is_available()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_rank = launch_env().local_rank  # the launcher's variables, checked
     device = (torch.device("cuda", local_rank % torch.cuda.device_count()) if cuda
               else torch.device("cpu"))
     if cuda:
@@ -202,25 +205,29 @@ def train(config: Config, stop: StopFlag | None = None) -> dict:
     `stop`: the stop-signal flag (training/signals.py), installed here if not given; train.py
     installs it before its heavy imports.
 
-    A collective that times out or breaks (a rank hung or died) ends the run with an error
-    naming this rank's position (step, phase, micro-batch or pipeline instruction).
+    A collective that times out or breaks (a peer hung, died or stopped on its own error)
+    ends the run with one line naming this rank's position (step, phase, micro-batch or
+    pipeline instruction) and what torch said, on every rank that saw it.
     """
     stop = stop or StopFlag()
-    rank, world, device = setup_distributed(config.parallel.timeout_minutes,
-                                            config.parallel.backend)
-    watchdog = Watchdog(rank, 0.9 * 60 * config.parallel.timeout_minutes).start()
-    try:
+    rank, watchdog = launch_env().rank, None
+    try:  # the rendezvous too: a peer that never comes is a collective failure
+        rank, world, device = setup_distributed(config.parallel.timeout_minutes,
+                                                config.parallel.backend)
+        watchdog = Watchdog(rank, 0.9 * 60 * config.parallel.timeout_minutes).start()
         with _save_dir_locked(config):
             return _train(config, rank, world, device, stop)
     except Exception as err:
         if is_collective_failure(err):
+            said = (str(err).strip().splitlines() or [type(err).__name__])[0]
             raise TrainingError(
-                f"{describe(rank)} when a collective failed (parallel.timeout_minutes="
-                f"{config.parallel.timeout_minutes}; the other ranks' errors name where "
-                f"they were): {err}") from err
+                f"{describe(rank)} when a collective failed: a peer rank died, froze or "
+                "stopped on its own error (its line says which; parallel.timeout_minutes="
+                f"{config.parallel.timeout_minutes}); torch said: {said}") from err
         raise
     finally:
-        watchdog.stop()
+        if watchdog is not None:
+            watchdog.stop()
 
 
 def _train(config: Config, rank: int, world: int, device: torch.device, stop: StopFlag

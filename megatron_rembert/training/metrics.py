@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_rembert.fs import write_errors
+
 # Dense bf16 peak FLOP/s per GPU (vendor data sheets, without sparsity).
 PEAK_BF16_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12}
 
@@ -46,11 +48,12 @@ class MetricsLogger:
         self.wandb_run = None
         if enabled:
             log_dir = Path(log_dir)
-            log_dir.mkdir(parents=True, exist_ok=True)
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(str(log_dir))
-            self.jsonl = open(log_dir / "metrics.jsonl", "a")
+            with write_errors(log_dir / "metrics.jsonl"):
+                log_dir.mkdir(parents=True, exist_ok=True)
+                self.writer = SummaryWriter(str(log_dir))
+                self.jsonl = open(log_dir / "metrics.jsonl", "a")  # noqa: SIM115 - in close
             if run_config is not None:
                 # Indented: TensorBoard renders text as Markdown, and this keeps it verbatim.
                 import yaml  # here: the GPU bench imports this module without PyYAML
@@ -71,9 +74,11 @@ class MetricsLogger:
             self.writer.add_scalar(tag, value, step)
         if self.wandb_run is not None:
             self.wandb_run.log(scalars, step=step)
-        self.jsonl.write(json.dumps({"split": prefix, "step": step, **values}) + "\n")
-        self.jsonl.flush()
-        self.writer.flush()
+        with write_errors(self.jsonl.name):  # a full disk: one line naming the file
+            self.jsonl.write(json.dumps({"split": prefix, "step": step, **values}) + "\n")
+            self.jsonl.flush()
+        with write_errors(self.writer.get_logdir()):  # TensorBoard's events file
+            self.writer.flush()
 
     def console(self, text: str) -> None:
         if self.enabled:
@@ -81,8 +86,10 @@ class MetricsLogger:
 
     def close(self) -> None:
         if self.enabled:
-            self.writer.close()
-            self.jsonl.close()
+            with write_errors(self.writer.get_logdir()):
+                self.writer.close()
+            with write_errors(self.jsonl.name):
+                self.jsonl.close()
             if self.wandb_run is not None:
                 self.wandb_run.finish()
 

@@ -14,7 +14,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "megatron_rembert"
 # collectives around it live in parallel/, so kernels/ sits below and never imports it).
 FLOORS = (
     ("errors", "fs"),  # the ground floor: import nothing of the package
-    ("config", "cli"),  # ModelConfig and ranges; what every command line shares
+    ("config", "cli", "launch_env"),  # ModelConfig and ranges; what command lines share;
+    # the launcher's variables
     ("kernels",),
     ("parallel",),
     ("data",),  # training-time data path: shards, sampler, masking, batch schema, loader

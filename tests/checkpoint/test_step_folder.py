@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -107,8 +108,28 @@ def test_meta_without_a_section_is_one_clear_error(tmp_path):
     meta = json.loads((folder / "meta.json").read_text())
     del meta["layout"]
     (folder / "meta.json").write_text(json.dumps(meta))
+    step_folder.write_manifest(folder, {})  # the manifest agrees: the sections check speaks
     with pytest.raises(CheckpointError, match=r"meta.json: no layout in it"):
         step_folder.read_meta(folder)
+
+
+@pytest.mark.parametrize("damage", ["edited", "truncated"])
+def test_meta_is_checked_against_the_manifest_before_it_is_read(tmp_path, damage):
+    """A hand-edited meta.json (here: a model that is no longer a mapping, which every reader
+    would trip over) or a truncated one is named by the manifest check, before its values."""
+    folder = _save(tmp_path, 1)
+    path = folder / "meta.json"
+    meta = json.loads(path.read_text())
+    if damage == "edited":
+        path.write_text(json.dumps({**meta, "config": {**meta["config"], "model": "tiny"}}))
+    else:
+        path.write_bytes(path.read_bytes()[:-3])
+    # The size differs (or else the sha256): either way the manifest names the file.
+    match = r"meta.json: (\d+ bytes, |sha256 differs from ).*manifest.json"
+    with pytest.raises(CheckpointError, match=match):
+        step_folder.read_meta(folder)
+    with pytest.raises(CheckpointError, match=match):
+        step_folder.find_latest(tmp_path)
 
 
 @pytest.mark.multiprocess
@@ -133,3 +154,30 @@ def test_read_only_save_dir_found_when_locking(tmp_path, monkeypatch):
     monkeypatch.setattr(lock_module.os, "open", read_only)
     with pytest.raises(CheckpointError, match=r"train.save_dir=.*: not writable \(Read-only"):
         SaveDirLock(tmp_path).acquire()
+
+
+def test_an_unwritten_lock_is_stale_once_old_enough(tmp_path):
+    """A lock file without its owner's record (the owner was killed between creating it and
+    writing it: empty, or cut off) is taken over once older than UNWRITTEN_SECONDS; a younger
+    one may be a run taking the lock right now, and is one error naming the lock file."""
+    lock = tmp_path / "run" / ".lock"
+    lock.parent.mkdir()
+    for content in ("", '{"host": "no'):
+        lock.write_text(content)
+        with pytest.raises(CheckpointError, match=r"\.lock has no owner record yet"):
+            SaveDirLock(tmp_path / "run").acquire()
+        old = time.time() - lock_module.UNWRITTEN_SECONDS - 1
+        os.utime(lock, (old, old))
+        with SaveDirLock(tmp_path / "run"):  # stale: taken over
+            assert json.loads(lock.read_text())["pid"] == os.getpid()
+        assert not lock.exists()
+
+
+def test_a_lock_whose_record_fails_to_write_is_not_left_behind(tmp_path, monkeypatch):
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(lock_module.json, "dump", full_disk)
+    with pytest.raises(CheckpointError, match=r"not writable \(No space left on device"):
+        SaveDirLock(tmp_path / "run").acquire()
+    assert not (tmp_path / "run" / ".lock").exists()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import os
 import shutil
 from pathlib import Path
@@ -39,7 +38,7 @@ def _error(fn) -> str:
 
     try:
         fn()
-    except CheckpointError as err:
+    except (CheckpointError, OSError) as err:  # OSError: fs.WriteError, a failed write
         return str(err)
     return "no error"
 
@@ -87,15 +86,19 @@ def integrity_worker(rank, world_size, root: str) -> dict:
     model_file.write_bytes(model_file.read_bytes()[: model_file.stat().st_size // 2])
     out["old_truncated"] = _error(load(truncated))
 
-    real_save = ckpt.GuardedCheckpointEngine.save
+    real_save = torch.save
 
-    def full_disk(self, state_dict, path):
-        raise OSError(errno.ENOSPC, "No space left on device", path)
+    def full_disk(obj, f, *args, **kwargs):  # what torch's stream writer raises for ENOSPC
+        if isinstance(f, (str, os.PathLike)):
+            raise RuntimeError("[enforce fail at inline_container.cc:626] . "
+                               "PytorchStreamWriter failed writing file data/0: file write "
+                               "failed")
+        return real_save(obj, f, *args, **kwargs)
 
-    ckpt.GuardedCheckpointEngine.save = full_disk
+    torch.save = full_disk
     out["full_disk"] = _error(lambda: ckpt.save_checkpoint(
         trainer.engine, save_dir, 2, 2 * GLOBAL_BATCH, meta, keep_last=5))
-    ckpt.GuardedCheckpointEngine.save = real_save
+    torch.save = real_save
     with torch.no_grad():
         next(trainer.engine.module.parameters())[0] = float("inf")  # what optim.lr=inf does
     out["non_finite"] = _error(lambda: ckpt.save_checkpoint(

@@ -1,0 +1,77 @@
+"""train.py with one failure of the machine injected, for tests/training/test_failure_table.py:
+`python tests/training/failing_train.py --config ... [--set ...]` with FAILURE=<name> and
+FAILING_RANK=<rank> in the environment (read here only, never by the package).
+
+- checkpoint-disk-full: every `torch.save` into a step folder raises what torch raises when the
+  disk is full (a RuntimeError from its stream writer, not an OSError);
+- recovery-script-disk-full: DeepSpeed's copy of its recovery scripts into a ZeRO checkpoint
+  (a write outside its checkpoint engine, on rank 0 only, before its last barrier) fails;
+- metrics-disk-full: metrics.jsonl takes its first row, then every write fails with ENOSPC (a
+  Python file's OSError, which names no file).
+A real full disk is not available to a test (no tiny file system to mount), so the exception
+is raised where the file system would raise it: below the package's own code.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+
+
+def _checkpoint_disk_full() -> None:
+    import torch
+
+    real_save = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        if isinstance(f, (str, os.PathLike)) and "step_" in str(f):
+            raise RuntimeError("[enforce fail at inline_container.cc:626] . PytorchStreamWriter "
+                               "failed writing file data/0: file write failed")
+        return real_save(obj, f, *args, **kwargs)
+
+    torch.save = save
+
+
+class _FillingFile:
+    """A text file whose writes fail with ENOSPC after the first."""
+
+    def __init__(self, file):
+        self._file, self._writes = file, 0
+        self.name = file.name
+
+    def write(self, text: str) -> int:
+        self._writes += 1
+        if self._writes > 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return self._file.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self._file, name)
+
+
+def _metrics_disk_full() -> None:
+    from megatron_rembert.training import metrics
+
+    metrics.open = lambda *args, **kwargs: _FillingFile(open(*args, **kwargs))  # noqa: SIM115
+
+
+def _recovery_script_disk_full() -> None:
+    from deepspeed.runtime import engine
+
+    def copyfile(src, dst, *args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    engine.copyfile = copyfile  # DeepSpeed's own copy of zero_to_fp32.py into a ZeRO save
+
+
+FAILURES = {"checkpoint-disk-full": _checkpoint_disk_full,
+            "recovery-script-disk-full": _recovery_script_disk_full,
+            "metrics-disk-full": _metrics_disk_full}
+
+if __name__ == "__main__":
+    if os.environ.get("FAILING_RANK", "0") == os.environ.get("RANK", "0"):
+        FAILURES[os.environ["FAILURE"]]()
+    from megatron_rembert.train import main
+
+    sys.exit(main())
