@@ -103,17 +103,20 @@ class TrainConfig:
     # Roll back: resume from this step_* folder of save_dir; newer ones are moved aside.
     resume_from: str = ""
     log_dir: str = "runs/logs"
-    # Divergence (training/divergence.py): a step whose update used a non-finite loss or
-    # gradient norm stops the run at once; steps fp16's loss scaler skipped stop it after
-    # this many non-finite losses in a row
+    # An applied step with a non-finite loss or gradient norm stops the run at once; steps
+    # fp16's loss scaler skipped (weights untouched) stop it after this many non-finite
+    # losses in a row
     max_nonfinite_steps: int = 10
-    # ... and so does a loss above this factor times the mean of the last divergence_window
-    # steps' losses (0 = off). 10 fires only on a broken model: late in training 10x the mean
-    # is worse than guessing uniformly over the vocabulary, early it is far beyond any spike
+    # Stop when a step's loss exceeds this factor times the mean of the last
+    # train.divergence_window losses (0 = off, else above 1). 10 fires only on a broken model:
+    # late in training 10x the mean is worse than guessing uniformly, early it is far beyond
+    # any spike of a healthy run
     divergence_factor: float = 10.0
-    divergence_window: int = 100  # steps; the check waits until this many (after a resume too)
-    # A checkpoint is saved only when every weight is finite and at most this in magnitude
-    # (trained weights stay within tens; 1e4 leaves room and refuses a blown-up run)
+    # Losses in train.divergence_factor's mean; the check waits until this many steps
+    # have run (after a resume too: the window is not saved)
+    divergence_window: int = 100
+    # Save (and move `latest`) only when every weight is finite and at most this in magnitude:
+    # trained weights stay within tens, a diverging run's grow without bound
     max_weight_abs: float = 1e4
     # Weights & Biases project ("" = off; wandb is imported only when set; WANDB_MODE=offline
     # logs into train.log_dir/wandb without a network)

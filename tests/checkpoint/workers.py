@@ -35,11 +35,11 @@ def _copy(folder: Path, root: Path, name: str, old_format: bool = False) -> Path
 
 
 def _error(fn) -> str:
-    from megatron_rembert.checkpoint import CheckpointError
+    from megatron_rembert.errors import UserError
 
     try:
         fn()
-    except CheckpointError as err:
+    except UserError as err:  # CheckpointError, or DivergenceError for bad weights
         return str(err)
     return "no error"
 
