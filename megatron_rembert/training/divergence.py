@@ -111,7 +111,7 @@ def check_weights(parameters: Iterable[torch.Tensor], step: int, limit: float,
     """Refuses (DivergenceError, on every rank) to save step `step` unless its weights are
     finite and within +-`limit` (train.max_weight_abs)."""
     largest = weights_max_abs(parameters)
-    if largest <= limit:
+    if math.isfinite(largest) and largest <= limit:  # inf: some weight is inf or NaN
         return
     what = ("some weights are inf or NaN" if math.isinf(largest) else
             f"the largest |weight| is {largest:.3g}, beyond train.max_weight_abs={limit:g}")
