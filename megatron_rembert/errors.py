@@ -2,9 +2,10 @@
 derive its own from it.
 
 `ConfigError` (config.py), `DataError` (data/common.py), `CheckpointError` (checkpoint/),
-`ConvertError` (convert/files.py) and `PlotError` (plot.py) are `UserError`s: bad settings or
-input, whose message names the key, flag or file and says how to fix it. Every entry point
-prints one as a single `error: ...` line and exits 2 (`cli.run_cli`). They are not
+`ConvertError` (convert/files.py), `PlotError` (plot.py) and `DivergenceError`
+(training/divergence.py: a run diverged, mostly from its settings) are `UserError`s: bad
+settings or input, whose message names the key, flag or file and says how to fix it. Every
+entry point prints one as a single `error: ...` line and exits 2 (`cli.run_cli`). They are not
 `RuntimeError`s or `ValueError`s, so that nothing that catches those (or classifies them, as
 `training.hang.is_collective_failure` does torch's) can take a user error for something else.
 

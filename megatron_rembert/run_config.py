@@ -107,7 +107,21 @@ class TrainConfig:
     # Roll back: resume from this step_* folder of save_dir; newer ones are moved aside.
     resume_from: str = ""
     log_dir: str = "runs/logs"
-    max_nonfinite_steps: int = 10  # stop after this many non-finite losses in a row
+    # An applied step with a non-finite loss or gradient norm stops the run at once; steps
+    # fp16's loss scaler skipped (weights untouched) stop it after this many non-finite
+    # losses in a row
+    max_nonfinite_steps: int = 10
+    # Stop when a step's loss exceeds this factor times the mean of the last
+    # train.divergence_window losses (0 = off, else above 1). 10 fires only on a broken model:
+    # late in training 10x the mean is worse than guessing uniformly, early it is far beyond
+    # any spike of a healthy run
+    divergence_factor: float = 10.0
+    # Losses in train.divergence_factor's mean; the check waits until this many steps
+    # have run (after a resume too: the window is not saved)
+    divergence_window: int = 100
+    # Save (and move `latest`) only when every weight is finite and at most this in magnitude:
+    # trained weights stay within tens, a diverging run's grow without bound
+    max_weight_abs: float = 1e4
     # Weights & Biases project ("" = off; wandb is imported only when set; WANDB_MODE=offline
     # logs into train.log_dir/wandb without a network)
     wandb_project: str = ""
@@ -172,6 +186,9 @@ RANGES: dict[str, Range] = {
     "train.save_interval": AT_LEAST_0,
     "train.keep_last": AT_LEAST_1,
     "train.max_nonfinite_steps": AT_LEAST_1,
+    "train.divergence_factor": AT_LEAST_0,  # 0 (off) or above 1
+    "train.divergence_window": AT_LEAST_1,
+    "train.max_weight_abs": POSITIVE,
     "eval.sequences_per_language": AT_LEAST_1,
     "eval.mask_prob": Range(0.0, 1.0, low_open=True, high_open=True),
 }
@@ -210,6 +227,10 @@ def check_ranges(config: Config) -> None:
     if config.optim.min_lr > config.optim.lr:
         raise ConfigError(f"optim.min_lr={config.optim.min_lr} exceeds "
                           f"optim.lr={config.optim.lr}")
+    factor = config.train.divergence_factor
+    if 0 < factor <= 1:
+        raise ConfigError(f"train.divergence_factor={factor}: 0 (off) or above 1 (a loss "
+                          "this many times its recent mean stops the run)")
     check_schedule(config)
 
 

@@ -5,9 +5,11 @@ Launch one process per GPU with torchrun (or SLURM, see slurm/); on CPU the rank
 
 Exit codes: 0 done, or stopped by SIGTERM / SIGUSR1 / Ctrl-C after saving at the step
 boundary (during start-up: nothing to save yet); 2 bad settings or input (one `error:` line,
-before any heavy work); 130 a second Ctrl-C (no save; the last complete checkpoint is kept);
-1 a failed write (one `error:` line naming the file), a peer rank that died, froze or stopped
-on its own error (one line naming this rank's position), or anything else.
+before any heavy work), or a run that diverged (one `error:` line on every rank naming the
+step `latest` keeps; training/divergence.py); 130 a second Ctrl-C (no save; the last complete
+checkpoint is kept); 1 a failed write (one `error:` line naming the file), a peer rank that
+died, froze or stopped on its own error (one line naming this rank's position), or anything
+else.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import shutil
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ from megatron_rembert.fs import (
 from megatron_rembert.parallel import comm
 from megatron_rembert.parallel import random as tp_random
 from megatron_rembert.training import deepspeed_private
+from megatron_rembert.training.divergence import check_weights
 from megatron_rembert.training.full_tensors import load_full_tensors, load_portable
 
 RECORDS = ".hashes"  # per-rank hashes of one save, merged into manifest.json by rank 0
@@ -127,30 +129,19 @@ def _guard(engine) -> GuardedCheckpointEngine:
     return current
 
 
-def _non_finite_parameters(engine) -> int:
-    # A sum is inf or NaN when an element is (or, for weights beyond ~1e31, when it overflows:
-    # a state no less broken); one cheap reduction per tensor instead of a mask per element.
-    sums = [p.detach().sum(dtype=torch.float32) for p in engine.module.parameters()]
-    return int((~torch.stack(sums).isfinite()).sum()) if sums else 0
-
-
 def save_checkpoint(engine, save_dir: str | Path, step: int, consumed_samples: int, meta: dict,
-                    keep_last: int) -> Path:
+                    keep_last: int, max_weight_abs: float = math.inf) -> Path:
     """Every rank calls this; returns the new folder once it is complete and `latest`.
 
-    Refuses (CheckpointError, nothing written) when any weight is non-finite; a failed write
-    (full disk, read-only file system, lost mount: whatever exception the writer raised, see
-    fs.write_errors) raises the same `WriteError` on every rank and leaves `latest` naming
-    the last good checkpoint.
+    Refuses (divergence.DivergenceError, nothing written) unless every weight is finite and
+    within +-`max_weight_abs` (train.max_weight_abs); a failed write (full disk, read-only
+    file system, lost mount: whatever exception the writer raised, see fs.write_errors)
+    raises the same `WriteError` on every rank and leaves `latest` naming the last good
+    checkpoint.
     """
     save_dir = Path(save_dir)
     folder = save_dir / step_tag(step)
-    (bad,) = comm.all_reduce_values([float(_non_finite_parameters(engine))])
-    if bad:
-        raise CheckpointError(
-            f"step {step}: {int(bad)} parameter tensor(s) hold inf or NaN; not saved, "
-            f"{save_dir / LATEST} still names the last good checkpoint. Lower "
-            "optim.lr or check the data, then resume")
+    check_weights(engine.module.parameters(), step, max_weight_abs, save_dir)
     if comm.rank() == 0:  # a partial folder left by a kill at this step; never through a link
         clear_save_paths(save_dir, folder)
     comm.barrier()

@@ -51,7 +51,8 @@ class StepStats:
     loss: float  # mean cross-entropy over the real masked tokens of the global batch
     mlm_acc: float
     masked_tokens: int  # real masked tokens in the global batch
-    grad_norm: float | None = None
+    grad_norm: float | None = None  # None where not reported or not finite
+    grad_norm_finite: bool = True  # False when it was reported inf or NaN
     loss_scale: float | None = None
     lr: float | None = None
     skipped: bool = False  # the optimizer step was skipped (fp16 overflow)
@@ -203,6 +204,7 @@ class Trainer:
         return StepStats(
             loss=loss, mlm_acc=acc, masked_tokens=tokens,
             grad_norm=None if grad_norm is None or not math.isfinite(grad_norm) else grad_norm,
+            grad_norm_finite=grad_norm is None or math.isfinite(grad_norm),
             loss_scale=self.loss_scale(), lr=lr,
             skipped=self.engine.skipped_steps > skipped_before)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections.abc import Iterator
@@ -32,6 +31,12 @@ from megatron_rembert.parallel import random as tp_random
 from megatron_rembert.parallel.layout import Layout
 from megatron_rembert.run_config import CHOICES, Config
 from megatron_rembert.training import checkpoint as ckpt
+from megatron_rembert.training.divergence import (
+    DivergenceCheck,
+    DivergenceError,
+    step_is_good,
+    stop_message,
+)
 from megatron_rembert.training.hang import POSITION, Watchdog, describe, is_collective_failure
 from megatron_rembert.training.metrics import (
     MetricsLogger,
@@ -267,7 +272,8 @@ def _train(config: Config, rank: int, world: int, device: torch.device, stop: St
                 "save_dir": config.train.save_dir, "log_dir": config.train.log_dir}
     flops_token = flops_per_token(config.model, data.seq_length, data.mask_prob)["training"]
     peak = peak_flops(device)
-    nonfinite = 0
+    divergence = DivergenceCheck(train_cfg.divergence_factor, train_cfg.divergence_window,
+                                 train_cfg.max_nonfinite_steps)
     last_saved = step if step else None
     last = {}
     clock = StepClock(step, train_cfg.steps)
@@ -279,13 +285,9 @@ def _train(config: Config, rank: int, world: int, device: torch.device, stop: St
         step += 1
         consumed += train_cfg.global_batch_size
         elapsed = time.perf_counter() - start
-        finite = math.isfinite(stats.loss)
-        nonfinite = 0 if finite else nonfinite + 1
-        if nonfinite >= train_cfg.max_nonfinite_steps:
-            raise TrainingError(
-                f"{nonfinite} consecutive steps with a non-finite loss (last at step {step}); "
-                f"stopping. The last good checkpoint is kept in {train_cfg.save_dir}: lower "
-                "optim.lr, check the data, or use bf16 instead of fp16")
+        # From the step's reduced statistics, alike on every rank: no collective here.
+        diverged = divergence.problem(stats.loss, stats.grad_norm_finite, stats.skipped)
+        good = step_is_good(stats.loss, stats.grad_norm_finite, stats.skipped)
         tokens_per_s = train_cfg.global_batch_size * data.seq_length / elapsed
         last = {"loss": stats.loss, "mlm_acc": stats.mlm_acc, "lr": stats.lr,
                 "grad_norm": stats.grad_norm, "loss_scale": stats.loss_scale,
@@ -299,16 +301,19 @@ def _train(config: Config, rank: int, world: int, device: torch.device, stop: St
         if step % train_cfg.log_interval == 0 or step == train_cfg.steps:
             log.log(step, last)
             log.console(format_line(step, train_cfg.steps, last, *clock.times(step)))
+        if diverged:
+            log.close()
+            raise DivergenceError(stop_message(step, diverged, train_cfg.save_dir))
         if train_cfg.eval_interval and step % train_cfg.eval_interval == 0:
             POSITION.set(phase="validation")
             evaluate(trainer, config, plan, sha, step, log)
         POSITION.set(phase="signal agreement")
         stopping = stop.agreed()
         periodic = train_cfg.save_interval and step % train_cfg.save_interval == 0
-        if (periodic or stopping or step == train_cfg.steps) and finite:
+        if (periodic or stopping or step == train_cfg.steps) and good:
             POSITION.set(phase="checkpoint save")
             ckpt.save_checkpoint(trainer.engine, train_cfg.save_dir, step, consumed, meta,
-                                 train_cfg.keep_last)
+                                 train_cfg.keep_last, train_cfg.max_weight_abs)
             last_saved = step
         if stopping:
             log.console(f"signal received: saved step {step}, exiting for requeue")

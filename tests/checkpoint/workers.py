@@ -34,11 +34,11 @@ def _copy(folder: Path, root: Path, name: str, old_format: bool = False) -> Path
 
 
 def _error(fn) -> str:
-    from megatron_rembert.checkpoint import CheckpointError
+    from megatron_rembert.errors import UserError
 
     try:
         fn()
-    except (CheckpointError, OSError) as err:  # OSError: fs.WriteError, a failed write
+    except (UserError, OSError) as err:  # Checkpoint/DivergenceError; OSError: a failed write
         return str(err)
     return "no error"
 

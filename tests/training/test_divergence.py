@@ -1,0 +1,264 @@
+"""Divergence is a stop, not a success (training/divergence.py): the per-step rule and the
+good-checkpoint rule against plain numbers, then real runs that diverge (a huge learning rate,
+weights blown up finite, a loss jump), each ending with exit 2, exactly one `error:` line per
+rank naming the step `latest` keeps, no traceback, `latest` never past the last good step and
+nothing outside the run's folders changed."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_rembert.config import ConfigError
+from megatron_rembert.run_config import check_ranges, load_config
+from megatron_rembert.training.divergence import (
+    DivergenceCheck,
+    DivergenceError,
+    check_weights,
+    step_is_good,
+    weights_max_abs,
+)
+from tests.training.conftest import SEQ
+
+ROOT = Path(__file__).resolve().parents[2]
+NAN, INF = float("nan"), float("inf")
+
+
+# -- the per-step rule ----------------------------------------------------------------------
+def test_an_applied_step_with_a_non_finite_loss_or_norm_stops_at_once():
+    for loss, norm_finite in ((NAN, True), (INF, True), (-INF, False), (5.0, False)):
+        check = DivergenceCheck(factor=0.0, window=3, max_nonfinite_skipped=10)
+        assert check.problem(5.0, True, False) is None
+        assert check.problem(loss, norm_finite, False) is not None, (loss, norm_finite)
+    assert "loss is nan" in DivergenceCheck(0.0, 3, 10).problem(NAN, True, False)
+    assert "gradient norm" in DivergenceCheck(0.0, 3, 10).problem(5.0, False, False)
+
+
+def test_skipped_fp16_steps_stop_only_after_max_nonfinite_in_a_row():
+    check = DivergenceCheck(factor=0.0, window=3, max_nonfinite_skipped=3)
+    # An overflow with a finite loss (the usual loss-scale search) never counts.
+    assert all(check.problem(6.0, False, True) is None for _ in range(10))
+    assert check.problem(NAN, False, True) is None
+    assert check.problem(NAN, False, True) is None
+    assert check.problem(6.0, True, False) is None  # a real step resets the count
+    assert check.problem(NAN, False, True) is None
+    assert check.problem(INF, False, True) is None
+    assert "3 consecutive skipped steps" in check.problem(NAN, False, True)
+
+
+def test_a_loss_beyond_the_factor_of_its_recent_mean_stops():
+    check = DivergenceCheck(factor=2.0, window=3, max_nonfinite_skipped=10)
+    # The window fills first (no check while it holds fewer than 3 losses).
+    assert [check.problem(x, True, False) for x in (1.0, 100.0, 2.0)] == [None] * 3
+    # Mean of (1, 100, 2) = 34.33: 68 is within 2x, then the window is (100, 2, 68).
+    assert check.problem(68.0, True, False) is None
+    mean = (100.0 + 2.0 + 68.0) / 3
+    assert check.problem(2 * mean, True, False) is None  # equal to the bound: allowed
+    mean = (2.0 + 68.0 + 2 * (100.0 + 2.0 + 68.0) / 3) / 3
+    message = check.problem(2 * mean * 1.001, True, False)
+    assert "train.divergence_factor=2" in message and "last 3 steps" in message
+    # Non-finite losses of skipped steps never enter the mean; factor 0 never checks.
+    off = DivergenceCheck(factor=0.0, window=1, max_nonfinite_skipped=10)
+    assert [off.problem(x, True, False) for x in (1.0, 1e6, 1e12)] == [None] * 3
+    skipping = DivergenceCheck(factor=2.0, window=1, max_nonfinite_skipped=10)
+    assert skipping.problem(1.0, True, False) is None
+    assert skipping.problem(NAN, False, True) is None
+    assert skipping.problem(1.9, True, False) is None  # against 1.0, not NaN
+
+
+def test_a_step_is_good_when_its_loss_and_applied_norm_are_finite():
+    assert step_is_good(3.0, True, False)
+    assert step_is_good(3.0, False, True)  # fp16 skipped it: weights untouched
+    assert not step_is_good(3.0, False, False)
+    assert not step_is_good(NAN, True, False) and not step_is_good(INF, False, True)
+
+
+def test_divergence_settings_are_checked():
+    config = load_config(str(ROOT / "configs" / "tiny.yaml"), [])
+    for key, value in (("divergence_factor", 0.5), ("divergence_factor", 1.0),
+                       ("divergence_factor", -1.0), ("divergence_factor", INF),
+                       ("max_weight_abs", 0.0), ("max_weight_abs", NAN),
+                       ("divergence_window", 0)):
+        bad = load_config(str(ROOT / "configs" / "tiny.yaml"), [f"train.{key}={value}"])
+        with pytest.raises(ConfigError, match=f"train.{key}"):
+            check_ranges(bad)
+    check_ranges(config)
+    check_ranges(load_config(str(ROOT / "configs" / "tiny.yaml"),
+                             ["train.divergence_factor=0"]))  # off
+
+
+# -- the good-checkpoint rule ---------------------------------------------------------------
+def _parameters() -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    return [torch.randn(7, 5), torch.randn(3).bfloat16() * 40, torch.empty(0),
+            torch.randn(2, 2, dtype=torch.float64)]
+
+
+def test_weights_max_abs_matches_plain_torch():
+    params = _parameters()
+    reference = max(p.double().abs().max().item() for p in params if p.numel())
+    assert weights_max_abs(params) == reference
+    params[0][3, 1] = -1e30  # finite, far beyond any trained weight
+    assert weights_max_abs(params) == pytest.approx(1e30, rel=1e-6)
+    for value in (NAN, INF, -INF):
+        broken = _parameters()
+        broken[1][2] = value
+        assert weights_max_abs(broken) == INF, value
+    assert weights_max_abs([]) == 0.0
+
+
+def test_check_weights_refuses_beyond_the_limit_and_names_what_latest_keeps(tmp_path):
+    params = _parameters()
+    largest = weights_max_abs(params)
+    check_weights(params, 5, largest, tmp_path)  # at the limit: good
+    with pytest.raises(DivergenceError, match=r"step 5: the largest \|weight\| is .*beyond "
+                       r"train.max_weight_abs=.*no checkpoint is kept"):
+        check_weights(params, 5, largest * 0.99, tmp_path)
+    (tmp_path / "latest").write_text("step_00000004\n")
+    params[2] = torch.tensor([NAN])
+    with pytest.raises(DivergenceError, match="step 5: some weights are inf or NaN; not saved; "
+                       "stopping. .*latest still names step_00000004"):
+        check_weights(params, 5, INF, tmp_path)
+
+
+# -- real runs ------------------------------------------------------------------------------
+# train.py's main() in a process of its own; `blow_up_after` multiplies every weight by 1e30
+# after that step's update (what a huge learning rate does to a run whose losses stay finite
+# for a step).
+DRIVER = """
+import sys
+import torch
+from megatron_rembert import train
+from megatron_rembert.training import engine
+
+blow_up_after = {blow_up_after!r}
+real_step = engine.Trainer.train_step
+calls = {{"n": 0}}
+
+def step(self, batches):
+    stats = real_step(self, batches)
+    calls["n"] += 1
+    if calls["n"] == blow_up_after:
+        with torch.no_grad():
+            for p in self.engine.module.parameters():
+                p.mul_(1e30)
+    return stats
+
+engine.Trainer.train_step = step
+sys.exit(train.main(sys.argv[1:]))
+"""
+
+
+def _args(tmp: Path, tiny_dataset, **sets) -> list[str]:
+    data, tokenizer = tiny_dataset
+    values = {"data.path": data, "data.tokenizer": tokenizer, "data.seq_length": SEQ,
+              "data.num_workers": 0, "train.steps": 4, "train.global_batch_size": 4,
+              "train.micro_batch_size": 2, "train.eval_interval": 0, "train.log_interval": 1,
+              "train.save_interval": 1, "train.precision": "fp32", "parallel.zero_stage": 0,
+              "train.save_dir": tmp / "run" / "ckpt", "train.log_dir": tmp / "run" / "logs",
+              **sets}
+    args = ["--config", "configs/tiny.yaml"]
+    for key, value in values.items():
+        args += ["--set", f"{key}={value}"]
+    return args
+
+
+def _hashes(*roots: Path, skip: Path) -> dict[str, str]:
+    """Every file under `roots` but not under `skip` (the run's folders), by content."""
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest()
+            for root in roots for p in sorted(root.rglob("*"))
+            if p.is_file() and not p.is_relative_to(skip)}
+
+
+def _saved(tmp: Path) -> tuple[str | None, list[str]]:
+    ckpt = tmp / "run" / "ckpt"
+    latest = ckpt / "latest"
+    return (latest.read_text().strip() if latest.exists() else None,
+            sorted(p.name for p in ckpt.glob("step_*")))
+
+
+# (id, settings, blow_up_after, what the error line names, the step folders kept)
+RUNS = [
+    # The attack: NaN from step 2; the run used to print "done at step 4" and exit 0.
+    ("nan-from-step-2-short-run", {"optim.lr": 1e6, "optim.warmup_steps": 0,
+                                   "train.save_interval": 0}, None,
+     "step 2: the loss is nan; stopping. no checkpoint is kept", []),
+    # The same learning rate, saving every step: step 1's loss is finite, its weights ~1e6.
+    ("huge-lr-weights-refused-at-first-save", {"optim.lr": 1e6, "optim.warmup_steps": 0},
+     None, "step 1: the largest |weight| is 1e+06, beyond train.max_weight_abs=10000", []),
+    # Weights ~1e30 (finite, so a finiteness check passes) after step 2: step 1 stays latest.
+    ("finite-1e30-weights-keep-the-last-good-step", {}, 2,
+     "step 2: the largest |weight| is", ["step_00000001"]),
+]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", RUNS, ids=[r[0] for r in RUNS])
+def test_a_diverged_run_stops_with_one_error_line(case, tmp_path, tiny_dataset):
+    _, sets, blow_up_after, names, kept = case
+    neighbour = tmp_path / "neighbour.txt"
+    neighbour.write_text("another run's file")
+    before = _hashes(tmp_path, *(p.parent for p in tiny_dataset), skip=tmp_path / "run")
+    run = subprocess.run([sys.executable, "-c", DRIVER.format(blow_up_after=blow_up_after),
+                          *_args(tmp_path, tiny_dataset, **sets)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert run.returncode == 2, run.stdout + run.stderr
+    errors = [line for line in run.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and names in errors[0], run.stderr
+    assert "Traceback" not in run.stderr and "done at step" not in run.stdout
+    latest, folders = _saved(tmp_path)
+    assert folders == kept and latest == (kept[-1] if kept else None)
+    if kept:
+        assert f"latest still names {kept[-1]}, the last good checkpoint" in errors[0]
+    assert _hashes(tmp_path, *(p.parent for p in tiny_dataset),
+                   skip=tmp_path / "run") == before
+
+
+def _train_main(rank, world_size, argv):
+    """train.py's main() on one of the ranks: its exit code and what it printed to stderr."""
+    from megatron_rembert import train
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = train.main(argv)
+    return code, err.getvalue()
+
+
+@pytest.mark.multiprocess
+def test_a_loss_jump_stops_every_rank_at_the_same_step(tmp_path, tiny_dataset):
+    """train.divergence_factor over a window of 1 step, two data-parallel ranks: both stop at
+    the first step whose logged loss exceeds 1.001 x the step before (found here from
+    metrics.jsonl), each with one error line, and `latest` names the step before."""
+    from tests.distributed import run_distributed
+
+    factor = 1.001
+    argv = _args(tmp_path, tiny_dataset, **{"train.steps": 10, "train.global_batch_size": 8,
+                                            "train.divergence_factor": factor,
+                                            "train.divergence_window": 1})
+    results = run_distributed(_train_main, 2, argv, timeout=400)
+    rows = [json.loads(line) for line in
+            (tmp_path / "run" / "logs" / "metrics.jsonl").read_text().splitlines()]
+    losses = {r["step"]: r["loss"] for r in rows if r["split"] == "train"}
+    jumps = [s for s in sorted(losses) if s > 1 and losses[s] > factor * losses[s - 1]]
+    assert jumps, losses  # the run must have stopped at one
+    stop = jumps[0]
+    assert max(losses) == stop and all(math.isfinite(v) for v in losses.values())
+    lines = []
+    for code, err in results:
+        errors = [line for line in err.splitlines() if "error:" in line]
+        assert code == 2 and len(errors) == 1 and "Traceback" not in err, err
+        lines.append(errors[0])
+    assert lines[0] == lines[1]
+    assert lines[0].startswith(f"error: step {stop}: the loss ") and "divergence_factor" in lines[0]
+    latest, folders = _saved(tmp_path)
+    assert latest == f"step_{stop - 1:08d}" and f"step_{stop:08d}" not in folders
+    assert f"latest still names step_{stop - 1:08d}" in lines[0]
