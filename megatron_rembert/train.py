@@ -11,23 +11,38 @@ before any heavy work); 130 a second Ctrl-C (no save; the last complete checkpoi
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
-import os
 import sys
 
-from megatron_rembert.cli import run_cli
-from megatron_rembert.config import ConfigError
-from megatron_rembert.run_config import check_settings, config_help, load_config
+# The standard library and the stop handler's module only (it imports nothing else): main()
+# installs the handler before any other import of this package, torch's or DeepSpeed's.
 from megatron_rembert.training.signals import StopFlag
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Bad settings or input: one `error:` line and exit 2 (`cli.run_cli`)."""
-    return run_cli(_main, argv)
+    """Bad settings or input: one `error:` line and exit 2 (`cli.run_cli`).
+
+    Stop signals are remembered from the first line on (training/signals.py): a stop during
+    start-up, even during `import torch`, exits 0 with nothing to save. Once training has
+    begun the handlers stay until the process ends (a signal while the rank exits is not a
+    kill); a call that ends before (--help, --dry-run, bad settings) puts the old ones back."""
+    stop = StopFlag()
+    from megatron_rembert.cli import run_cli
+
+    try:
+        return run_cli(lambda args: _main(args, stop), argv)
+    finally:
+        if not stop.in_use:
+            stop.restore()
 
 
-def _main(argv: list[str] | None) -> int:
+def _main(argv: list[str] | None, stop: StopFlag) -> int:
+    import argparse
+    import importlib.util
+    import os
+
+    from megatron_rembert.config import ConfigError
+    from megatron_rembert.run_config import check_settings, config_help, load_config
+
     parser = argparse.ArgumentParser(
         description=__doc__, epilog=config_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -61,12 +76,11 @@ def _main(argv: list[str] | None) -> int:
 
         print(dry_run_report(config, args.world_size))
         return 0
-    # Stop signals are remembered from here on: DeepSpeed and the model start later.
-    stop = StopFlag()
+    stop.in_use = True
     from megatron_rembert.training.loop import train
 
     summary = train(config, stop)
-    if summary and int(os.environ.get("RANK", 0)) == 0:
+    if not summary.get("stopped") and int(os.environ.get("RANK", 0)) == 0:
         print(f"done at step {summary['step']}; checkpoints in {summary['save_dir']}, "
               f"metrics in {summary['log_dir']}/metrics.jsonl; "
               f"view with: tensorboard --logdir {summary['log_dir']}")

@@ -222,6 +222,14 @@ def train(config: Config, stop: StopFlag | None = None) -> dict:
                                             config.parallel.backend)
     watchdog = Watchdog(rank, 0.9 * 60 * config.parallel.timeout_minutes).start()
     try:
+        # A stop during the imports or the rendezvous ends here, before the model is built
+        # (a launcher's grace period before its SIGKILL may be shorter than the build).
+        if stop.agreed():
+            if rank == 0:
+                print(f"{stop.name or 'a signal to another rank'} during start-up: nothing "
+                      "new to save; exiting", flush=True)
+            return {"step": None, "last_saved": None, "last": {}, "stopped": True,
+                    "save_dir": config.train.save_dir, "log_dir": config.train.log_dir}
         with _save_dir_locked(config):
             return _train(config, rank, world, device, stop)
     except Exception as err:
@@ -264,9 +272,10 @@ def _train(config: Config, rank: int, world: int, device: torch.device, stop: St
                                       eval_mask_prob=config.eval.mask_prob)
     POSITION.set(phase="signal agreement")
     if stop.agreed():  # a stop request during start-up: nothing new to save
-        log.console(f"{stop.name or 'a signal'} during start-up: nothing new to save; exiting")
+        log.console(f"{stop.name or 'a signal to another rank'} during start-up: nothing new "
+                    "to save; exiting")
         log.close()
-        return {"step": step, "last_saved": step or None, "last": {},
+        return {"step": step, "last_saved": step or None, "last": {}, "stopped": True,
                 "save_dir": config.train.save_dir, "log_dir": config.train.log_dir}
     flops_token = flops_per_token(config.model, data.seq_length, data.mask_prob)["training"]
     peak = peak_flops(device)
@@ -314,10 +323,14 @@ def _train(config: Config, rank: int, world: int, device: torch.device, stop: St
                                  train_cfg.keep_last)
             last_saved = step
         if stopping:
-            log.console(f"signal received: saved step {step}, exiting for requeue")
+            kept = (f"saved step {step}" if last_saved == step else
+                    f"step {step} not saved (non-finite loss); last checkpoint: "
+                    f"{f'step {last_saved}' if last_saved else 'none'}")
+            log.console(f"signal received ({stop.name or 'by another rank'}): {kept}, "
+                        "exiting for requeue")
             break
     log.close()
-    return {"step": step, "last_saved": last_saved, "last": last,
+    return {"step": step, "last_saved": last_saved, "last": last, "stopped": stop.stopping,
             "save_dir": train_cfg.save_dir, "log_dir": train_cfg.log_dir}
 
 
