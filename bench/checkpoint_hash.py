@@ -44,11 +44,13 @@ def main() -> None:
     import torch
     from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
+    from megatron_rembert.checkpoint.step_folder import step_tag
     from megatron_rembert.parallel import random as tp_random
     from megatron_rembert.parallel import state
-    from megatron_rembert.run_config import build_config, validate_config
+    from megatron_rembert.run_config import build_config
     from megatron_rembert.training import checkpoint as ckpt
     from megatron_rembert.training.engine import Trainer
+    from megatron_rembert.training.plan import RunPlan
 
     for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533", "RANK": "0",
                        "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
@@ -61,9 +63,9 @@ def main() -> None:
     config = build_config({"model": model}, [
         "parallel.zero_stage=1", "train.precision=fp32", "train.global_batch_size=2",
         "train.micro_batch_size=2", "data.seq_length=32"])
-    layout = validate_config(config, 1)
-    state.initialize_model_parallel(layout)
-    trainer = Trainer(config, layout, torch.device("cpu"))
+    plan = RunPlan.build(config, 1)
+    state.initialize_model_parallel(plan.layout)
+    trainer = Trainer(config, plan, torch.device("cpu"))
     engine = trainer.engine
     params = sum(p.numel() for p in engine.module.parameters())
     meta = {"config": config.to_dict(), "tokenizer_sha256": None,
@@ -98,7 +100,7 @@ def main() -> None:
                 start = time.perf_counter()
                 save(i)
                 times[name].append(time.perf_counter() - start)
-        files = [f for f in (root / "hashed" / ckpt.step_tag(args.reps)).rglob("*")
+        files = [f for f in (root / "hashed" / step_tag(args.reps)).rglob("*")
                  if f.is_file()]
         size = sum(f.stat().st_size for f in files)
         blobs = [f.read_bytes() for f in files]

@@ -178,6 +178,19 @@ def compare_curves(bf16: list[float], fp8: list[float], tolerance: float) -> lis
     return [] if ok else ["loss curve"]
 
 
+def step_figures(results: dict, peak: float | None) -> dict:
+    """fp8 against bf16 from model_step's results {fp8: figures}."""
+    return {"fp8_over_bf16": results[True]["tokens_per_s"] / results[False]["tokens_per_s"],
+            "fp8_tokens_per_s": results[True]["tokens_per_s"],
+            "fp8_mfu": results[True]["tflops"] * 1e12 / peak if peak else None}
+
+
+def table_figures(results: dict, peak: float | None, curves: list[list[float]]) -> dict:
+    """What bench/gpu_table.py reads: the step's figures and the demo losses' final ratio."""
+    bf16, fp8 = curves
+    return {**step_figures(results, peak), "loss_ratio": fp8[-1] / bf16[-1]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -189,6 +202,7 @@ def main() -> None:
                         help="largest |fp8 / bf16 - 1| of the final demo losses")
     parser.add_argument("--compile", action="store_true",
                         help="the rembert step with model.compile as well")
+    parser.add_argument("--json", help="write the figures there (bench/gpu_table.py)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/fp8_gpu.py needs a CUDA GPU of compute capability >= 8.9 (none found); "
@@ -203,6 +217,7 @@ def main() -> None:
     print(f"{name}: fp8 GEMMs against plain-torch quantisation")
     failed = check_gemms(device)
     peak = peak_flops(device)
+    first = None  # the eager configuration's results
     for compile in (False, True) if args.compile else (False,):
         config = get_preset("rembert").replace(compile=compile)
         results = {}
@@ -215,11 +230,16 @@ def main() -> None:
                   f"{args.seq} tokens, {'fp8' if fp8 else 'bf16'}: {r['tokens_per_s']:,.0f} "
                   f"tokens/s, {r['tflops']:.1f} TFLOP/s, MFU {mfu} (of the bf16 peak)")
             torch.cuda.empty_cache()
-        print(f"  fp8 / bf16: {results[True]['tokens_per_s'] / results[False]['tokens_per_s']:.3f}")
+        first = first or results
+        print(f"  fp8 / bf16: {step_figures(results, peak)['fp8_over_bf16']:.3f}")
     print(f"demo model, {args.curve_steps} steps of {DEMO_BATCH} x {DEMO_SEQ} synthetic tokens:")
     curves = [loss_curve(DEMO_MODEL, args.curve_steps, DEMO_BATCH, DEMO_SEQ, device, fp8)
               for fp8 in (False, True)]
     failed += compare_curves(*curves, args.loss_tolerance)
+    if args.json:  # bench/gpu_table.py: the eager step (the first one timed)
+        import json
+
+        Path(args.json).write_text(json.dumps(table_figures(first, peak, curves), indent=1))
     if not curves[0][-1] < LEARNT * curves[0][0]:  # else the comparison would say nothing
         print(f"  FAILED: bf16 did not learn (final loss not below {LEARNT} x the first)")
         failed.append("demo model learning")

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from memwatch import watch  # noqa: E402
 
-from megatron_rembert.checkpoint.folder import ROLLED_BACK  # noqa: E402
+from megatron_rembert.checkpoint.step_folder import ROLLED_BACK  # noqa: E402
 
 GIB = 2**30
 SEQ, MICRO, GLOBAL = 128, 1, 4
@@ -81,12 +81,10 @@ def config_for(layers: int, vocab: int | None, extra: list[str]):
 
 def rank_estimates(config) -> dict[str, float]:
     """The dry-run estimate (bytes) of each rank: ranks are pp-major, tp-minor."""
-    from megatron_rembert.run_config import validate_config
-    from megatron_rembert.training.estimate import stage_plan
+    from megatron_rembert.training.plan import RunPlan
 
-    layout = validate_config(config, 4)
-    plan = stage_plan(config, layout)
-    return {f"rank {stage * 2 + t}": plan.total_memory(stage)
+    stages = RunPlan.build(config, 4).stages
+    return {f"rank {stage * 2 + t}": stages.total_memory(stage)
             for stage in range(2) for t in range(2)}
 
 
@@ -158,11 +156,12 @@ def check_hf(step_dir: Path, hf_dir: Path, encoder_dir: Path) -> dict:
 import json, math, torch, transformers
 from megatron_rembert.checkpoint.reader import CheckpointReader
 from megatron_rembert.checkpoint.specs import ParamSpec
+from megatron_rembert.checkpoint.step_folder import StepFolder
 from megatron_rembert.model.rembert import RemBertForPreTraining
 from megatron_rembert.parallel import state
 
 torch.manual_seed(0)
-with CheckpointReader({str(step_dir)!r}) as reader, state.offline(1):
+with CheckpointReader(StepFolder.open({str(step_dir)!r})) as reader, state.offline(1):
     config = reader.model
     ours = RemBertForPreTraining(config).eval()
     for name, param in ours.named_parameters():

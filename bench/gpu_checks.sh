@@ -1,27 +1,31 @@
 #!/usr/bin/env bash
-# The GPU acceptance checks in one run, for a machine with torch and triton and no network:
-#   1. rembert: tokens/s, TFLOP/s and MFU of the model step (torch + triton) with attention on
-#      the flash path, on the masked path and with model.compile (bench/train_throughput.py
-#      --gpu-only --compile); each pipeline layer's time and the 1F1B step projected from it
-#      for the FLOP-balanced and the parameter-balanced partitions at pp 2/4/8
-#      (bench/pipeline_balance.py); then the
-#      trainer's step (DeepSpeed, bf16, zero1_bf16.json) with its peak memory against
-#      train.py --dry-run's estimate (bench/train_throughput.py --trainer);
-#   2. kernels: the Triton kernels against the torch references on CUDA in fp32 and bf16, then
-#      their speed (bench/kernels_gpu.py); a rembert Transformer layer eager vs model.compile
-#      vs its GEMMs and attention alone, both attention backends, dropout 0 and 0.1
+# The GPU acceptance checks in one run, for a machine with torch and triton and no network. It
+# ends with ONE TABLE (bench/gpu_table.py): the rembert step's tokens/s, TFLOP/s and MFU (model
+# alone and the trainer at gas 8, bf16, and fp8), each part of a step (embedding, layer and its
+# GEMMs alone, head, optimizer, engine) and whether a micro-batch syncs with the host, against
+# the goals and the figures before this work. The benches, each under a time limit, in order:
+#   1. rembert model step: flash, masked and model.compile paths, attention alone
+#      (bench/train_throughput.py --gpu-only --compile);
+#   2. the engine: the trainer's step (DeepSpeed, bf16 + zero1_bf16.json) against the bare
+#      model + fused AdamW at gas 1 and 8, and the trainer's micro-batches under
+#      torch.cuda.set_sync_debug_mode("error") (bench/train_throughput.py --engine);
+#   3. each pipeline layer's time as trained (fp32 main gradients) and the 1F1B step projected
+#      from it for pp 2/4/8 (bench/pipeline_balance.py);
+#   4. one Transformer layer eager, compiled and its GEMMs + attention alone
 #      (bench/layer_fusion.py);
-#   3. training: train.py on one GPU with NCCL, bf16 + ds_configs/zero1_bf16.json, 4
-#      micro-batches a step, 20 steps; SIGTERM after step 10 and resume == uninterrupted; tp = 2
-#      and pp = 2 on two processes against one process: NCCL on two GPUs; on one GPU tp = 2 on
-#      two processes sharing it (gloo over CUDA tensors), pp = 2 skipped (gloo cannot send CUDA
-#      tensors between stages) (bench/gpu_train_checks.py).
-# The figures come first, so a check that hangs (each has a time limit) costs only itself.
+#   5. the Triton kernels against the torch references in fp32 and bf16, then their speed and
+#      the MLM head at 16 x 77 rows per rows-per-chunk and kept logits (bench/kernels_gpu.py);
+#   6. fp8: its GEMMs against plain-torch quantisation, the rembert step fp8 / bf16, the demo
+#      model's loss over 300 steps each way (bench/fp8_gpu.py);
+#   7. with GPU_CHECKS_TRAINING=1 (several minutes more): train.py on one GPU with NCCL, bf16 +
+#      zero1_bf16.json, SIGTERM and resume == uninterrupted, tp 2 against one process, and the
+#      trainer's peak memory against --dry-run (bench/gpu_train_checks.py,
+#      bench/train_throughput.py --trainer).
 # DeepSpeed and the packages it needs beyond such an image travel as wheels: make them on a
 # machine with internet with `bash bench/gpu_wheels.sh .whl`, bring the folder along, and set
 # GPU_WHEELS=.whl; they are installed into a temporary folder, nothing else is touched.
 # Every check runs even if an earlier one fails; the exit code says whether all passed.
-# Usage: [GPU_WHEELS=.whl] bash bench/gpu_checks.sh        (about 9 minutes on one H200)
+# Usage: [GPU_WHEELS=.whl] [GPU_CHECKS_TRAINING=1] bash bench/gpu_checks.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -46,16 +50,27 @@ check() {  # check NAME SECONDS COMMAND...: run it under a time limit, remember 
     timeout --signal=TERM --kill-after=10 "$limit" "$@" || failed+=("$name")
     echo "=== $name: $((SECONDS - start)) s"
 }
+results=$(mktemp -d)  # each bench's figures as JSON, for the table
 if [[ -z ${cpu:-} ]]; then
-    check rembert-model 240 python3 bench/train_throughput.py --gpu-only --compile --steps 5
-    check pipeline-balance 120 python3 bench/pipeline_balance.py --pp 2,4,8
-    check rembert-trainer 180 python3 bench/train_throughput.py --trainer --steps 5
-    check kernels 180 python3 bench/kernels_gpu.py
-    check fp8 300 python3 bench/fp8_gpu.py
-    check layer-fusion 360 python3 bench/layer_fusion.py
+    check rembert-model 240 python3 bench/train_throughput.py --gpu-only --compile --steps 5 \
+        --json "$results/model.json"
+    check engine 300 python3 bench/train_throughput.py --engine --engine-gas 1 8 --steps 4 \
+        --json "$results/engine.json"
+    check pipeline-balance 180 python3 bench/pipeline_balance.py --pp 2,4,8 \
+        --json "$results/parts.json"
+    check layer-fusion 240 python3 bench/layer_fusion.py --attention-backend sdpa \
+        --dropout 0,0.1 --json "$results/layer.json"
+    check kernels 300 python3 bench/kernels_gpu.py --loss-chunks 0 --head-chunks 0,512,2048 \
+        --json "$results/head.json"
+    check fp8 300 python3 bench/fp8_gpu.py --json "$results/fp8.json"
 fi
-check training 400 python3 bench/gpu_train_checks.py --steps "${GPU_CHECKS_STEPS:-20}" \
-    --signal-at "${GPU_CHECKS_SIGNAL_AT:-10}"
+if [[ -n ${GPU_CHECKS_TRAINING:-} || -n ${cpu:-} ]]; then
+    [[ -n ${cpu:-} ]] || check rembert-trainer 180 python3 bench/train_throughput.py --trainer \
+        --steps 5
+    check training 400 python3 bench/gpu_train_checks.py --steps "${GPU_CHECKS_STEPS:-20}" \
+        --signal-at "${GPU_CHECKS_SIGNAL_AT:-10}"
+fi
+[[ -n ${cpu:-} ]] || python3 bench/gpu_table.py "$results"
 echo
 if ((${#failed[@]})); then
     echo "FAILED: ${failed[*]}"

@@ -3,13 +3,16 @@
     python bench/kernels_gpu.py [--dtype fp32,bf16] [--time-dtype bf16] [--no-timing]
                                 [--rows 8192] [--vocab 250300] [--e 1664]
                                 [--loss-chunks 0,512,1024,2048]
+                                [--micro 16] [--predictions 77]
+                                [--head-chunks 0,128,256,512,1024,2048] [--head-keep 0,1]
 
 Checks, for every dtype of --dtype (default fp32 and bf16), each printed PASS or FAIL:
   softmax  the Triton path against the torch reference (fully masked rows included) and
            against eager torch.softmax: probabilities and the input gradient, 4 shapes;
   loss     the Triton path against the torch reference path (the same matmuls, so this
            isolates the kernels) and against F.cross_entropy on the full fp32 logits: losses,
-           grad hidden / weight / bias, and the `correct` flags (exact); on the --rows x
+           grad hidden / weight / bias, and the `correct` flags (exact); with half the
+           logits kept for backward against F.cross_entropy too; on the --rows x
            --vocab problem and on a small one with padding columns, weight-0 rows and rows
            longer than one 4096-column tile.
 The error of a tensor is max|ours - ref| / max|ref|, against TOLERANCE[dtype]. The exit
@@ -17,9 +20,17 @@ status is 1 if any check fails, so an acceptance script can rely on it.
 Then, for --time-dtype only, forward + backward time (triton.testing.do_bench, median ms) of
   softmax: ours (Triton) | torch eager | torch.compile | SDPA (whole attention, for scale)
   loss:    ours (Triton, chunked) | torch eager full logits | torch.compile full logits;
-           ours also at each --loss-chunks rows per chunk (0: the default tiling, 128 rows
-           at V 250,300): on an H200 the default ran 2.3x slower than compiled full logits,
-           and a chunk's matmul of 128 rows leaves most of a large GPU idle
+           ours also at each --loss-chunks rows per chunk (0: the device's default tiling,
+           2,144 rows at V 250,300 on CUDA; 128 before: on an H200 that ran 2.3x slower than
+           compiled full logits, a 128-row matmul leaving most of a large GPU idle)
+  head:    the rembert MLM head + loss (dense, GELU, LayerNorm, the 250k output embedding
+           and the fused loss, model/mlm_head.py) at the micro-batch shape, --micro x
+           --predictions masked rows (16 x 77 = 1,232), at each --head-chunks rows per chunk
+           (0: the device's default) x each --head-keep GiB of kept logits (0: recompute in
+           backward), each with its extra peak memory; eager and torch.compile of the head
+           on full logits; and one Transformer layer of the rembert preset, --micro x 512
+           tokens, so that every line reads "head = X layers" (goal: <= 2.5 layers, extra
+           peak <= 2x that of 128 rows recomputed, the loss before this tiling)
 Exits with a message (status 1) when no CUDA device is present.
 """
 
@@ -35,12 +46,17 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
+from megatron_rembert.config import get_preset  # noqa: E402
 from megatron_rembert.kernels.cross_entropy import linear_cross_entropy  # noqa: E402
+from megatron_rembert.kernels.cross_entropy_tiling import recomputed_rows  # noqa: E402
 from megatron_rembert.kernels.softmax import (  # noqa: E402
     fused_scale_mask_softmax,
     softmax_backward_torch,
     softmax_forward_torch,
 )
+from megatron_rembert.model.mlm_head import MLMHead  # noqa: E402
+from megatron_rembert.model.transformer import TransformerLayer  # noqa: E402
+from megatron_rembert.parallel.layers import init_weights  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
@@ -150,9 +166,9 @@ def check_loss(dtype: torch.dtype, n: int, v: int, n_valid: int, e: int, zero_fr
     tgt = torch.randint(0, n_valid, (n,), device=DEVICE, generator=gen)  # N
     wts = (torch.rand(n, device=DEVICE, generator=gen) >= zero_frac).float()  # N, 0 or 1
 
-    def op(h, w, b, backend=BACKEND):  # noqa: ANN001, ANN202
+    def op(h, w, b, backend=BACKEND, chunk=None, keep=0.0):  # noqa: ANN001, ANN202
         return linear_cross_entropy(h, w, b, tgt, wts, vocab_start=0, n_valid=n_valid,
-                                    backend=backend)
+                                    chunk_size=chunk, keep_logits_gib=keep, backend=backend)
 
     def eager(h, w, b):  # noqa: ANN001, ANN202
         logits = torch.addmm(b, h, w.t())[:, :n_valid].float()  # N x n_valid
@@ -162,7 +178,13 @@ def check_loss(dtype: torch.dtype, n: int, v: int, n_valid: int, e: int, zero_fr
     got = outputs_and_grads(op, inputs)
     checks.close(f"{name} vs torch reference", got,
                  outputs_and_grads(lambda **i: op(**i, backend="torch"), inputs), dtype)
-    checks.close(f"{name} vs F.cross_entropy", got, outputs_and_grads(eager, inputs), dtype)
+    want = outputs_and_grads(eager, inputs)
+    checks.close(f"{name} vs F.cross_entropy", got, want, dtype)
+    # 4 chunks, room for half the rows' logits: backward reads the first chunks' kept logits
+    # (strided views) and recomputes the others
+    half = n / 2 * v * dtype.itemsize / 2**30
+    kept = outputs_and_grads(lambda **i: op(**i, chunk=-(-n // 4), keep=half), inputs)
+    checks.close(f"{name} half the logits kept vs F.cross_entropy", kept, want, dtype)
     with torch.no_grad():
         same = torch.equal(op(**inputs)[1], op(**inputs, backend="torch")[1])
     checks.record(f"{name} correct flags equal the torch reference", same, "exact")
@@ -230,11 +252,85 @@ def time_loss(dtype: torch.dtype, n: int, vocab: int, e: int, chunks: list[int],
     runs = [(f"ours, {c} rows a chunk" if c else "ours", partial(ours, chunk=c or None))
             for c in chunks]
     for name, fn in (*runs, ("eager", eager), ("compile", torch.compile(eager))):
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        ms = fwd_bwd_ms(fn, [h, w, b])
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+        ms, peak = ms_and_peak(fn, [h, w, b])
         print(f"  {name:<24} {ms:>9.2f} ms   extra peak {peak:6.2f} GiB")
+
+
+def ms_and_peak(fn, inputs: list[torch.Tensor]) -> tuple[float, float]:  # noqa: ANN001
+    """fwd_bwd_ms, and the peak memory above what was allocated before (GiB), the gradients
+    of `inputs` included (cleared first: a previous run's would hide this run's)."""
+    for t in inputs:
+        t.grad = None
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    ms = fwd_bwd_ms(fn, inputs)
+    return ms, (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def head_flops(n: int, h: int, e: int, v_local: int, rows: int, keep_gib: float,
+               itemsize: int, cuda: bool) -> float:
+    """Matmul FLOPs the head + fused loss execute, forward + backward: the dense layer 3x, the
+    vocabulary projection 3x plus the recomputed rows' logits (kept rows skip them)."""
+    recomputed = recomputed_rows(n, v_local, e, itemsize, keep_gib, rows or None, cuda)
+    return 3 * 2 * n * h * e + 2 * e * v_local * (3 * n + recomputed)
+
+
+def time_layer(config, micro: int, seq: int, dtype: torch.dtype, device: str) -> float:  # noqa: ANN001
+    """fwd_bwd_ms of one Transformer layer of `config` on micro x seq tokens (no padding)."""
+    layer = TransformerLayer(config).to(device, dtype)
+    init_weights(layer, 0, config.initializer_range, "layer.")
+    x = torch.randn(micro, seq, config.hidden_size, device=device, dtype=dtype,
+                    requires_grad=True)  # micro x seq x H
+    return fwd_bwd_ms(lambda x, *_: layer(x, None), [x, *layer.parameters()])
+
+
+def time_head(dtype: torch.dtype, micro: int, predictions: int, chunks: list[int],
+              keeps: list[float], preset: str = "rembert", seq: int = 512,
+              device: str = "cuda") -> dict:
+    """Prints each setting's time; returns the fastest of ours ({setting, ms, extra_gib}) and
+    the layer's time, for bench/gpu_table.py. The decoder's gradients go into fp32 main
+    gradients, as the trainer runs the head under bf16 + ZeRO-1 (training/main_grads.py)."""
+    config = get_preset(preset)
+    n, hid = micro * predictions, config.hidden_size
+    print(f"\n== MLM head + loss ({dtype}), {preset}, {micro} x {predictions} = {n} masked "
+          f"rows, fwd+bwd, against one Transformer layer at {micro} x {seq} ==")
+    layer_ms = time_layer(config, micro, seq, dtype, device)
+    print(f"  one Transformer layer          {layer_ms:>9.2f} ms")
+    head = MLMHead(config).to(device, dtype)
+    init_weights(head, 0, config.initializer_range, "mlm_head.")
+    for param in (head.decoder.weight, head.decoder.bias):
+        param.main_grad = torch.zeros(param.shape, dtype=torch.float32, device=device)
+    inputs = [torch.randn(n, hid, device=device, dtype=dtype, requires_grad=True),
+              *head.parameters()]  # N x H, then the head's parameters (fresh grads each step)
+    labels = torch.randint(0, config.vocab_size, (n,), device=device)  # N
+    weights = (torch.rand(n, device=device) >= 0.03).float()  # N, a few padding slots
+
+    def ours(hidden, *_):  # noqa: ANN001, ANN202
+        return head(hidden, labels, weights).loss_sum
+
+    def full_logits(hidden, *_):  # noqa: ANN001, ANN202
+        logits = F.linear(head.transform(hidden), head.decoder.weight, head.decoder.bias)
+        losses = F.cross_entropy(logits[:, :config.vocab_size].float(), labels,
+                                 reduction="none")  # N
+        return (losses * weights).sum()
+
+    v_local, e = head.decoder.weight.shape
+    runs = [(f"rows {c or 'default'}, keep {k:g} GiB", c, k) for c in chunks for k in keeps]
+    best = None
+    for name, rows, keep in runs:
+        head.loss_chunk_rows, head.loss_keep_logits_gib = rows or None, keep
+        ms, peak = ms_and_peak(ours, inputs)
+        flops = head_flops(n, hid, e, v_local, rows, keep, dtype.itemsize, device == "cuda")
+        print(f"  {name:<30} {ms:>9.2f} ms   extra peak {peak:6.2f} GiB   "
+              f"{flops / ms / 1e9:6.1f} TFLOP/s   head = {ms / layer_ms:.2f} layers")
+        if best is None or ms < best["ms"]:
+            best = {"setting": name, "ms": ms, "extra_gib": peak}
+    for name, fn in (("eager full logits", full_logits),
+                     ("compile full logits", torch.compile(full_logits))):
+        ms, peak = ms_and_peak(fn, inputs)
+        print(f"  {name:<30} {ms:>9.2f} ms   extra peak {peak:6.2f} GiB   "
+              f"head = {ms / layer_ms:.2f} layers")
+    return {"best": best, "layer_ms": layer_ms}
 
 
 # ---------------------------------------------------------------- main
@@ -258,6 +354,17 @@ def parse_chunks(text: str) -> list[int]:
     return chunks
 
 
+def parse_gib(text: str) -> list[float]:
+    try:
+        values = [float(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        values = []
+    if not values or not all(0 <= v < float("inf") for v in values):
+        raise argparse.ArgumentTypeError(
+            f"expected GiB of kept logits (0: recompute), comma-separated, got {text!r}")
+    return values
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", type=parse_dtypes, default="fp32,bf16",
@@ -271,6 +378,16 @@ def main() -> None:
     p.add_argument("--loss-chunks", type=parse_chunks, default="0,512,1024,2048",
                    help="rows per chunk to time our loss at, comma-separated (0: the default "
                         "tiling; default 0,512,1024,2048)")
+    p.add_argument("--micro", type=int, default=16,
+                   help="head timing: sequences per micro-batch (default 16, configs/rembert)")
+    p.add_argument("--predictions", type=int, default=77,
+                   help="head timing: masked slots per sequence (default 77: 15%% of 512)")
+    p.add_argument("--head-chunks", type=parse_chunks, default="0,128,256,512,1024,2048",
+                   help="head timing: rows per chunk, comma-separated (0: the default)")
+    p.add_argument("--head-keep", type=parse_gib, default="0,1",
+                   help="head timing: GiB of kept logits, comma-separated (0: recompute; "
+                        "default 0,1, 1 = model.loss_keep_logits_gib's default)")
+    p.add_argument("--json", help="write the head timing's figures there (bench/gpu_table.py)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/kernels_gpu.py needs a CUDA GPU (none found); "
@@ -284,6 +401,12 @@ def main() -> None:
     if not args.no_timing:
         time_softmax(DTYPES[args.time_dtype])
         time_loss(DTYPES[args.time_dtype], args.rows, args.vocab, args.e, args.loss_chunks)
+        head = time_head(DTYPES[args.time_dtype], args.micro, args.predictions,
+                         args.head_chunks, args.head_keep)
+        if args.json:  # bench/gpu_table.py
+            import json
+
+            Path(args.json).write_text(json.dumps(head, indent=1))
     print(f"\n{checks.total - len(checks.failed)} of {checks.total} checks passed")
     if checks.failed:
         sys.exit("FAILED: " + "; ".join(checks.failed))

@@ -81,27 +81,31 @@ def naive_estimate(n: int, v: int, e: int, itemsize: int) -> int:
 
 
 def ours_bound(n: int, v: int, e: int, itemsize: int,
-               chunk_elements: int | None = None) -> dict[str, int]:
+               chunk_elements: int | None = None, keep_gib: float = 0.0) -> dict[str, int]:
     """Bytes the chunked loss holds at its worst moment, term by term (torch path on CPU; the
     Triton kernels on CUDA need no fp32 copies of a tile, so this bounds them too).
 
     In a reduced precision (bf16) two routes exist on CPU: oneDNN's GEMM (CPUs with AVX512)
     writes the product directly; torch's fallback GEMM (no AVX512, or --no-mkldnn) first
     accumulates the whole product in an fp32 buffer of the output's shape. Each phase below
-    counts that buffer, so the bound holds on both routes.
+    counts that buffer, so the bound holds on both routes. Logits kept for backward
+    (`keep_gib`) stay from the forward to the end of the backward.
     """
-    from megatron_rembert.kernels.cross_entropy import choose_tiling
+    from megatron_rembert.kernels.cross_entropy_tiling import choose_tiling, kept_rows, row_chunks
 
     t = choose_tiling(v, e, None, chunk_elements)
     rows_f, rows_b, block = min(t.forward_rows, n), min(t.backward_rows, n), min(t.vocab_block, v)
+    keep = kept_rows(row_chunks(0, n, t.forward_rows), v, itemsize, keep_gib)
+    backward_chunks = row_chunks(0, keep, t.backward_rows) + row_chunks(keep, n, t.backward_rows)
     reduced = itemsize != 4
     f32 = 4 if reduced else 0  # fp32 copy of a bf16 tile, or the fallback GEMM's buffer
     persistent = {
         "grad_weight V x E": v * e * itemsize,
         "grad_bias (fp32 + cast)": v * (4 + itemsize),
         "grad_hidden fp32 accumulator N x E": n * e * 4,
-        "saved hidden + grad_hidden N x E": 2 * n * e * itemsize,
+        "grad_hidden N x E (returned; hidden itself is saved, not copied)": n * e * itemsize,
         "per-row vectors": n * 48,  # ids, targets, lse, sums, losses, upstream gradient
+        "kept logits": keep * v * itemsize,
     }
     # forward, per row chunk: the GEMM (logits + fallback buffer), then the softmax
     # statistics (logits + fp32 copy + exp temporary), the larger of the two
@@ -111,7 +115,7 @@ def ours_bound(n: int, v: int, e: int, itemsize: int,
     # (fp32 copy of the tile), or the grad_hidden GEMM (product + fallback buffer), or the
     # grad_weight GEMM (product + fallback buffer); one at a time. In fp32 the GEMMs add into
     # the gradients in place, and so does a bf16 block covered by one row chunk: no sum buffer.
-    one_product = not reduced or n <= t.backward_rows
+    one_product = not reduced or len(backward_chunks) <= 1
     step = max(rows_b * block * f32, reduced * rows_b * e * (itemsize + f32),
                reduced * block * e * (itemsize + f32))
     backward = {
@@ -135,15 +139,15 @@ def gemm_route(no_mkldnn: bool) -> str:
 
 
 def child(variant: str, n: int, v: int, e: int, dtype_name: str, threads: int,
-          no_mkldnn: bool, chunk_elements: int | None) -> None:
+          no_mkldnn: bool, chunk_elements: int | None, keep_gib: float) -> None:
     import torch
     import torch.nn.functional as F
 
-    from megatron_rembert.kernels import cross_entropy
+    from megatron_rembert.kernels import cross_entropy_tiling
     from megatron_rembert.kernels.cross_entropy import linear_cross_entropy
 
     if chunk_elements:
-        cross_entropy.CHUNK_ELEMENTS = chunk_elements
+        cross_entropy_tiling.CHUNK_ELEMENTS = chunk_elements
     torch.set_num_threads(threads)
     torch.backends.mkldnn.enabled = not no_mkldnn
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
@@ -160,7 +164,8 @@ def child(variant: str, n: int, v: int, e: int, dtype_name: str, threads: int,
     start = time.perf_counter()
     if variant == "ours":
         losses, _ = linear_cross_entropy(
-            hidden, weight, bias, targets, weights, vocab_start=0, n_valid=v, backend="torch"
+            hidden, weight, bias, targets, weights, vocab_start=0, n_valid=v, backend="torch",
+            keep_logits_gib=keep_gib,
         )
         loss = (losses * weights).sum() / weights.sum()
     else:
@@ -176,12 +181,13 @@ def child(variant: str, n: int, v: int, e: int, dtype_name: str, threads: int,
 
 def run_variant(variant: str, n: int, v: int, e: int, dtype: str, threads: int = 2,
                 no_mkldnn: bool = False, glibc_default: bool = False,
-                chunk_elements: int | None = None) -> dict:
+                chunk_elements: int | None = None, keep_gib: float = 0.0) -> dict:
     """One fresh child: {extra, baseline, seconds, loss} in bytes / s, or {error}."""
     cmd = [sys.executable, __file__, "--child", variant, "--n", str(n), "--v", str(v),
            "--e", str(e), "--dtype", dtype, "--threads", str(threads)]
     cmd += ["--no-mkldnn"] if no_mkldnn else []
     cmd += ["--chunk-elements", str(chunk_elements)] if chunk_elements else []
+    cmd += ["--keep-gib", str(keep_gib)] if keep_gib else []
     env = dict(os.environ)
     if not glibc_default:
         env["MALLOC_MMAP_THRESHOLD_"] = str(2**20)  # fixed: large buffers go back on free
@@ -210,11 +216,14 @@ def main() -> None:
     p.add_argument("--chunk-elements", type=int, default=None,
                    help="tile budget of the chunked loss in elements (default: the library's "
                         "CHUNK_ELEMENTS, 2^25)")
+    p.add_argument("--keep-gib", type=float, default=0.0,
+                   help="GiB of forward logits ours keeps for backward instead of recomputing "
+                        "them (linear_cross_entropy's keep_logits_gib; default 0)")
     p.add_argument("--child", choices=["ours", "naive"], help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         child(args.child, args.n, args.v, args.e, args.dtype, args.threads, args.no_mkldnn,
-              args.chunk_elements)
+              args.chunk_elements, args.keep_gib)
         return
 
     item = DTYPES[args.dtype]
@@ -225,7 +234,7 @@ def main() -> None:
     print(f"one N x V logits tensor = {args.n * args.v * item / GIB:.2f} GiB; "
           f"grad_weight (V x E, part of both) = {args.v * args.e * item / GIB:.2f} GiB")
     print("extra peak = child's peak RSS (VmHWM) - its RSS after allocating the inputs")
-    bound = ours_bound(args.n, args.v, args.e, item, args.chunk_elements)
+    bound = ours_bound(args.n, args.v, args.e, item, args.chunk_elements, args.keep_gib)
     naive_need = naive_estimate(args.n, args.v, args.e, item)
     print(f"ours by construction: {sum(bound.values()) / GIB:.3f} GiB at most (" + ", ".join(
         f"{k} {b / GIB:.3f}" for k, b in bound.items()) + ")")
@@ -240,7 +249,7 @@ def main() -> None:
             continue
         results[variant] = [
             run_variant(variant, args.n, args.v, args.e, args.dtype, args.threads,
-                        args.no_mkldnn, args.glibc_default, args.chunk_elements)
+                        args.no_mkldnn, args.glibc_default, args.chunk_elements, args.keep_gib)
             for _ in range(args.runs)]
     print(f"\n{'variant':<8} {'extra peak GiB: median':>22} {'min':>7} {'max':>7} "
           f"{'time s':>8} {'loss':>10}")

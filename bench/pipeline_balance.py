@@ -6,7 +6,9 @@ A 1F1B pipeline of m micro-batches takes (m - 1) x (slowest stage) + (sum of sta
 (fill and drain, `model.partition.one_f_one_b_efficiency`), so from the measured stage times
 this prints, per layout and partition: the busiest stage's share of the time, tokens/s of one
 pipeline, model TFLOP/s per GPU and MFU (bf16 peak), and the ratio new / old. The stage times
-are measured here one layer at a time (one Transformer layer stands for all: they are equal);
+are measured here one layer at a time (one Transformer layer stands for all: they are equal),
+in bf16 with every gradient going into fp32 main gradients as the trainer's do
+(training/main_grads.py: the embedding and the loss add into them themselves);
 the step times are projected from them and leave out the point-to-point sends, which move one
 B x S x H activation per micro-batch and stage boundary.
 
@@ -32,6 +34,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from train_throughput import make_batch, timed  # noqa: E402
 
+from megatron_rembert.checkpoint.resume import parameter_balanced_boundaries  # noqa: E402
 from megatron_rembert.model.pipeline import (  # noqa: E402
     EmbeddingPipe,
     MLMHeadPipe,
@@ -39,29 +42,33 @@ from megatron_rembert.model.pipeline import (  # noqa: E402
     pipeline_inputs,
 )
 from megatron_rembert.model.sizes import flops_per_token  # noqa: E402
-from megatron_rembert.run_config import load_config, validate_config  # noqa: E402
-from megatron_rembert.training.estimate import (  # noqa: E402
-    parameter_balanced_boundaries,
-    predictions_per_sequence,
-    stage_plan,
-)
+from megatron_rembert.run_config import load_config  # noqa: E402
+from megatron_rembert.training.main_grads import attach_main_grad  # noqa: E402
 from megatron_rembert.training.metrics import peak_flops  # noqa: E402
+from megatron_rembert.training.plan import RunPlan  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def layer_times(config, micro: int, seq: int, predictions: int, dtype, device,
+def layer_times(config, micro: int, seq: int, predictions: int, masked: int, dtype, device,
                 repeats: int) -> list[float]:
     """Forward + backward milliseconds of one micro-batch through the embedding, one Transformer
-    layer and the head, as the pipeline runs them (the flash path: packed batches are unpadded),
-    returned per pipeline layer (embedding, L layers, head)."""
+    layer and the head, as the pipeline runs them (the flash path: packed batches are unpadded;
+    `masked` of the P slots real, the rest weight 0, as a full row at the schedule's largest
+    rate), returned per pipeline layer (embedding, L layers, head)."""
     m = config.model
     batch = make_batch(m, micro, seq, 0, device, predictions)
+    batch["masked_weights"][:, masked:] = 0.0
     inputs = pipeline_inputs(batch)
     embedding = EmbeddingPipe(m).to(device, dtype)
     layer = TransformerLayerPipe(m, 0).to(device, dtype)
     layer.unpadded = True  # the flash path, as the trainer tells the stages for packed rows
     head = MLMHeadPipe(m).to(device, dtype)
+    if dtype == torch.bfloat16:  # gradients into fp32 main gradients, as the trainer's bf16
+        for module in (embedding, layer, head):
+            for param in module.parameters():
+                attach_main_grad(param, torch.zeros(param.shape, dtype=torch.float32,
+                                                    device=device))
     hidden, *rest = embedding(inputs)
     carried = (hidden.detach().requires_grad_(), *rest)
     grad = torch.randn_like(hidden)
@@ -99,21 +106,31 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override, as train.py's (e.g. data.seq_length=128)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--json", help="write the layer times there (bench/gpu_table.py)")
     args = parser.parse_args()
     device = torch.device(args.device)
     sizes = [int(p) for p in args.pp.split(",")]
     config = load_config(args.config, [f"model.preset={args.preset}", "parallel.tp=1",
                                        "parallel.pp=1", *args.set])
     micro, seq = config.train.micro_batch_size, config.data.seq_length
-    validate_config(config, 1)
-    predictions = predictions_per_sequence(config)  # P, as the loader sizes it
-    per_layer = layer_times(config, micro, seq, predictions, DTYPES[args.dtype], device,
+    data = RunPlan.build(config, 1).data
+    predictions = data.max_predictions  # P, as the loader sizes it
+    masked = data.training_masked_per_row(seq)
+    per_layer = layer_times(config, micro, seq, predictions, masked, DTYPES[args.dtype], device,
                             args.repeats)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"{where}, {args.preset} ({config.model.num_hidden_layers} layers), {args.dtype}, "
-          f"micro-batch {micro} x {seq} tokens, P {predictions}; forward + "
-          f"backward ms: embedding {per_layer[0]:.2f}, Transformer layer {per_layer[1]:.2f}, "
-          f"head {per_layer[-1]:.2f}; m = {args.micro_batches} micro-batches per step")
+          f"micro-batch {micro} x {seq} tokens, P {predictions} ({masked} real); forward + "
+          f"backward ms: embedding {per_layer[0]:.2f} (= {per_layer[0] / per_layer[1]:.3f} "
+          f"layers), Transformer layer {per_layer[1]:.2f}, head {per_layer[-1]:.2f} (= "
+          f"{per_layer[-1] / per_layer[1]:.2f} layers); m = {args.micro_batches} micro-batches "
+          "per step")
+    if args.json:  # bench/gpu_table.py
+        import json
+
+        Path(args.json).write_text(json.dumps({"embedding_ms": per_layer[0],
+                                               "layer_ms": per_layer[1],
+                                               "head_ms": per_layer[-1]}, indent=1))
     flops = flops_per_token(config.model, seq)["training"] * micro * seq  # per micro-batch
     peak = peak_flops(device)
     m = args.micro_batches
@@ -121,7 +138,7 @@ def main() -> None:
           f"{'busiest':>7} {'tokens/s':>10} {'TFLOP/s/GPU':>11} {'MFU':>6}")
     for pp in sizes:
         config.parallel.pp = pp
-        new = stage_plan(config, validate_config(config, pp)).boundaries
+        new = RunPlan.build(config, pp).stages.boundaries
         old = parameter_balanced_boundaries(config, pp)
         rates = {}
         for name, bounds in (("params", old), ("flops", new)):

@@ -11,7 +11,8 @@ other (each holds ~8 GiB in fp32 with its AdamW states):
         same AdamW (fused, as the trainer builds it)
 Per model: seconds per step (median after a warm-up step), split into forward + backward and
 the optimizer step; tokens/s; the matmul FLOPs it executes per step (ours: with the loss's
-logits recomputation in backward; hf: its head on all S positions) as FLOP/s and as a fraction
+logits recomputation in backward for the rows whose logits it does not keep,
+model.loss_keep_logits_gib; hf: its head on all S positions) as FLOP/s and as a fraction
 of this machine's GEMM peak, measured in the same run (a 2048^3 matmul and the model's own GEMM
 shapes, best of 3 before and 3 after the models). Also the loss alone (our head + fused loss,
 forward + backward).
@@ -50,6 +51,7 @@ from train_throughput import hf_labels, make_batch  # noqa: E402
 
 from megatron_rembert.config import get_preset  # noqa: E402
 from megatron_rembert.data.masking import default_max_predictions  # noqa: E402
+from megatron_rembert.kernels.cross_entropy_tiling import recomputed_rows  # noqa: E402
 from megatron_rembert.model.partition import pipeline_layer_flops  # noqa: E402
 from megatron_rembert.model.rembert import RemBertForPreTraining  # noqa: E402
 
@@ -97,13 +99,18 @@ def gemm_peak(config, tokens: int, rows: int) -> dict[str, float]:
 
 def executed_flops(config, batch: int, predictions: int, full_head: bool) -> float:
     """Matmul FLOPs of one training step: ours (pipeline_layer_flops: the head on its P slots
-    with the logits recomputed in backward) or hf's (its head on all positions, no
+    with the logits recomputed in backward, less the recomputation of the rows whose logits
+    the loss keeps, model.loss_keep_logits_gib) or hf's (its head on all positions, no
     recomputation)."""
     per_sequence = pipeline_layer_flops(config, SEQ, predictions, recompute=False)
+    h, e, v = config.hidden_size, config.output_embedding_size, config.vocab_size
     if full_head:
-        h, e, v = config.hidden_size, config.output_embedding_size, config.vocab_size
         per_sequence[-1] = 3 * 2 * SEQ * (h * e + e * v)
-    return batch * sum(per_sequence)
+        return batch * sum(per_sequence)
+    rows = batch * predictions
+    kept = rows - recomputed_rows(rows, config.padded_vocab_size(), e, 4,  # fp32 here
+                                  config.loss_keep_logits_gib, config.loss_chunk_rows or None)
+    return batch * sum(per_sequence) - 2 * e * v * kept
 
 
 def time_steps(model, loss_fn, batches) -> dict[str, float]:

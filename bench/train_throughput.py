@@ -154,9 +154,9 @@ def deepspeed_step_time(config: ModelConfig, batches: list[dict]) -> float:
     import deepspeed
 
     from megatron_rembert.parallel import state
-    from megatron_rembert.parallel.layout import Layout
     from megatron_rembert.run_config import Config, TrainConfig
     from megatron_rembert.training.engine import Trainer
+    from megatron_rembert.training.plan import RunPlan
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29591"),
                       RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
@@ -165,9 +165,9 @@ def deepspeed_step_time(config: ModelConfig, batches: list[dict]) -> float:
     run = Config(model=config, train=TrainConfig(global_batch_size=b, micro_batch_size=b,
                                                   precision="fp32", seed=0))
     run.optim.lr, run.optim.warmup_steps, run.parallel.zero_stage = 1e-4, 1, 0
-    layout = Layout(micro_batch_size=b)  # one process, one micro-batch per step
-    state.initialize_model_parallel(layout)
-    trainer = Trainer(run, layout, device=torch.device("cpu"))
+    plan = RunPlan.build(run, 1)  # one process, one micro-batch per step
+    state.initialize_model_parallel(plan.layout)
+    trainer = Trainer(run, plan, device=torch.device("cpu"))
     return timed(lambda batch: trainer.train_step([batch]), batches, lambda: None)
 
 
@@ -180,9 +180,11 @@ def engine_comparison(config: ModelConfig, precision: str, micro: int, seq: int,
     import gc
 
     from megatron_rembert.parallel import state
-    from megatron_rembert.run_config import Config, TrainConfig, validate_config
+    from megatron_rembert.run_config import Config, TrainConfig
     from megatron_rembert.training.engine import Trainer
     from megatron_rembert.training.loop import setup_distributed
+    from megatron_rembert.training.metrics import memory_gib, peak_flops
+    from megatron_rembert.training.plan import RunPlan
 
     root = Path(__file__).resolve().parents[1]
     os.environ.setdefault("MASTER_PORT", "29593")
@@ -221,23 +223,53 @@ def engine_comparison(config: ModelConfig, precision: str, micro: int, seq: int,
         gc.collect()
         run = Config(model=config, train=TrainConfig(
             global_batch_size=micro * gas, micro_batch_size=micro, precision=precision, seed=0))
+        run.data.seq_length = seq
         run.optim.lr, run.optim.warmup_steps, run.parallel.zero_stage = 1e-4, 1, 1
         json_name = "zero1_bf16.json" if precision == "bf16" else "cpu_fp32.json"
         run.parallel.ds_config = str(root / "ds_configs" / json_name)
-        layout = validate_config(run, 1)
-        state.initialize_model_parallel(layout)
-        trainer = Trainer(run, layout, device)
+        plan = RunPlan.build(run, 1)
+        state.initialize_model_parallel(plan.layout)
+        trainer = Trainer(run, plan, device)
         engine = timed(trainer.train_step, batches, sync)
+        tokens_per_s = micro * gas * seq / engine
+        tflops = flops_per_token(config, seq)["training"] * tokens_per_s / 1e12
+        peak = peak_flops(device)
         results.append({"gas": gas, "bare": bare, "trainer": engine,
-                        "wrapper": type(trainer.optimizer).__name__, **bare_parts})
+                        "wrapper": type(trainer.optimizer).__name__, **bare_parts,
+                        "trainer_metrics": {"tokens_per_s": tokens_per_s, "tflops": tflops,
+                                            "mfu": tflops * 1e12 / peak if peak else None,
+                                            "memory_gib": memory_gib(device)},
+                        "sync_debug": (micro_batches_sync_check(trainer, batches[0])
+                                       if device.type == "cuda" else None)})
         del trainer
         gc.collect()
     return results
 
 
+def micro_batches_sync_check(trainer, micro_batches: list[dict]) -> str:
+    """"clean" if the trainer's micro-batches (first forward to last backward) make no call that
+    waits for the GPU, under torch.cuda.set_sync_debug_mode("error"); else CUDA's first
+    complaint. Then the step's optimizer step (which reads the gradient norm once)."""
+    prepared, context = trainer._prepare(micro_batches)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        trainer.forward_backward(prepared, context)
+        verdict = "clean"
+    except RuntimeError as err:
+        verdict = str(err).strip().splitlines()[0][:200]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    trainer.optimizer_step()
+    return verdict
+
+
 def engine_report(args) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    config = get_preset("rembert") if device.type == "cuda" else bench_config()
+    if args.engine_preset:
+        config = get_preset(args.engine_preset)
+    else:
+        config = get_preset("rembert") if device.type == "cuda" else bench_config()
     micro, seq = (args.gpu_batch, 512) if device.type == "cuda" else (args.batch, args.seq)
     rows = engine_comparison(config, args.precision, micro, seq, args.engine_gas, args.steps,
                              device)
@@ -250,6 +282,24 @@ def engine_report(args) -> None:
         print(f"{r['gas']:>4} {r['forward + backward']:11.3f} {r['optimizer']:9.3f} "
               f"{r['bare']:10.3f} {r['trainer']:9.3f} {r['trainer'] - r['bare']:9.3f} "
               f"{r['bare'] / r['trainer']:12.3f}x  ({r['wrapper']})")
+    for r in rows:
+        t = r["trainer_metrics"]
+        mfu = "n/a" if t["mfu"] is None else f"{t['mfu']:.1%}"
+        print(f"trainer, gas {r['gas']}: {t['tokens_per_s']:,.0f} tokens/s, {t['tflops']:.1f} "
+              f"TFLOP/s, MFU {mfu}, memory {t['memory_gib']:.1f} GiB"
+              + (f"; micro-batches under sync_debug_mode error: {r['sync_debug']}"
+                 if r["sync_debug"] else ""))
+    if args.json:  # bench/gpu_table.py
+        sync = [r["sync_debug"] for r in rows if r["sync_debug"]]
+        write_json(args.json, {"rows": rows,
+                               "sync_debug": next((v for v in sync if v != "clean"),
+                                                  "clean" if sync else None)})
+
+
+def write_json(path: str, figures: dict) -> None:
+    import json
+
+    Path(path).write_text(json.dumps(figures, indent=1))
 
 
 def preset_throughput(preset: str, batch: int, seq: int, steps: int,
@@ -290,11 +340,12 @@ def trainer_throughput(preset: str, micro: int, gas: int, seq: int, steps: int) 
     NCCL (else the CPU with gloo). tokens/s, model TFLOP/s, MFU, peak memory, and the memory
     `train.py --dry-run` estimates for this layout."""
     from megatron_rembert.parallel import state
-    from megatron_rembert.run_config import load_config, validate_config
+    from megatron_rembert.run_config import load_config
     from megatron_rembert.training.engine import Trainer
     from megatron_rembert.training.estimate import MEMORY_KEYS, memory_estimate
     from megatron_rembert.training.loop import setup_distributed
     from megatron_rembert.training.metrics import memory_gib, peak_flops
+    from megatron_rembert.training.plan import RunPlan
 
     root = Path(__file__).resolve().parents[1]
     os.environ.setdefault("MASTER_PORT", "29592")
@@ -304,16 +355,16 @@ def trainer_throughput(preset: str, micro: int, gas: int, seq: int, steps: int) 
         f"train.micro_batch_size={micro}", f"train.global_batch_size={micro * gas}",
         f"data.seq_length={seq}", "optim.warmup_steps=1"])
     _, _, device = setup_distributed(config.parallel.timeout_minutes)
-    layout = validate_config(config, 1)
-    state.initialize_model_parallel(layout)
-    trainer = Trainer(config, layout, device)
+    plan = RunPlan.build(config, 1)
+    state.initialize_model_parallel(plan.layout)
+    trainer = Trainer(config, plan, device)
     batches = [[make_batch(config.model, micro, seq, step * gas + i, "cpu") for i in range(gas)]
                for step in range(steps + 1)]  # on the host, as the loader delivers them
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     tokens_per_s = micro * gas * seq / timed(trainer.train_step, batches, sync)
     tflops = flops_per_token(config.model, seq)["training"] * tokens_per_s / 1e12
     peak = peak_flops(device)
-    estimate = memory_estimate(config, layout)
+    estimate = memory_estimate(plan.stages)
     return {"tokens_per_s": tokens_per_s, "tflops": tflops,
             "mfu": tflops * 1e12 / peak if peak else None, "memory_gib": memory_gib(device),
             "estimate_gib": {k: estimate[k] / 2**30 for k in MEMORY_KEYS}}
@@ -375,6 +426,8 @@ def gpu_rembert(args) -> None:
               f"{r['tflops']:.1f} TFLOP/s, MFU {mfu}, peak memory {r['memory_gib']:.1f} GiB")
     rate = {name: r["tokens_per_s"] for name, r in results.items()}
     print(f"flash / masked tokens/s: {rate['flash'] / rate['masked']:.3f}x")
+    if args.json:  # bench/gpu_table.py
+        write_json(args.json, {"variants": results, "best": max(rate, key=rate.get)})
     if args.compile:
         print(f"flash + model.compile / flash tokens/s: "
               f"{rate['flash + model.compile'] / rate['flash']:.3f}x")
@@ -400,8 +453,12 @@ def main() -> None:
                         help="only the trainer's step against the bare model + fused AdamW")
     parser.add_argument("--engine-gas", type=int, nargs="+", default=[1, 8],
                         help="accumulation steps for --engine")
+    parser.add_argument("--engine-preset", help="the model for --engine (default: rembert on "
+                        "a GPU; on CPU 2 layers of H 512 under rembert's embeddings and head)")
     parser.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
                         help="precision for --engine")
+    parser.add_argument("--json", help="--gpu-only or --engine: write the figures there "
+                        "(bench/gpu_table.py)")
     args = parser.parse_args()
     if args.engine:
         engine_report(args)

@@ -77,9 +77,18 @@ class ModelConfig:
     tie_embeddings: bool = False
     # "sdpa" (torch.nn.functional.scaled_dot_product_attention) or "fused_softmax" (Triton).
     attention_backend: str = "sdpa"
-    # MLM loss: "fused" (chunked linear + cross-entropy, never holds all logits) or
-    # "reference" (logits for all masked tokens, then a vocab-parallel cross-entropy).
+    # MLM loss: "fused" (chunked linear + cross-entropy, holds logits only within
+    # loss_keep_logits_gib) or "reference" (logits for all masked tokens, then a
+    # vocab-parallel cross-entropy).
     loss_backend: str = "fused"
+    # Fused loss: most rows per chunk of the output projection (0 = the device's default:
+    # logits tiles of up to 2^29 elements on CUDA, 2,144 rows at a 250k vocabulary shard; 2^25
+    # on CPU, 128 rows). Rows are split into equal chunks; see docs/kernels.md.
+    loss_chunk_rows: int = 0
+    # Fused loss: GiB of forward logits kept for backward, which then skips recomputing them
+    # (3 GEMMs of the vocabulary projection instead of 4); chunks beyond it are recomputed.
+    # rembert's 16 x 77 masked rows take 0.57 GiB in bf16 at tp 1. 0 = recompute all.
+    loss_keep_logits_gib: float = 1.0
     # torch.compile each Transformer layer (one graph for all layers; the embeddings and the
     # head stay eager): true, false, or auto (compiled on CUDA, eager on CPU).
     compile: bool | str = "auto"
@@ -96,25 +105,18 @@ class ModelConfig:
         multiple = 128 * tp
         return -(-self.vocab_size // multiple) * multiple
 
-    def validate(self, tp: int = 1) -> None:
-        """Raise ConfigError naming the field if the config cannot be built at this TP size."""
+    def validate(self) -> None:
+        """Raise ConfigError naming the field if this model is not a valid one, at any layout
+        (`check_buildable` adds what a tp x pp layout needs)."""
         for name, allowed in MODEL_RANGES.items():
             allowed.check(f"model.{name}", getattr(self, name))
-        if tp < 1:
-            raise ConfigError(f"parallel.tp must be >= 1, got {tp}")
+        for name, allowed in MODEL_CHOICES.items():
+            check_choice(f"model.{name}", getattr(self, name), allowed)
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 f"model.hidden_size={self.hidden_size} is not divisible by "
                 f"model.num_attention_heads={self.num_attention_heads}; pick a head count "
                 "that divides the hidden size")
-        if self.num_attention_heads % tp:
-            raise ConfigError(
-                f"model.num_attention_heads={self.num_attention_heads} is not divisible by "
-                f"parallel.tp={tp}; each tensor-parallel rank must hold whole heads")
-        if self.intermediate_size % tp:
-            raise ConfigError(
-                f"model.intermediate_size={self.intermediate_size} is not divisible by "
-                f"parallel.tp={tp}")
         if self.tie_embeddings and self.input_embedding_size != self.output_embedding_size:
             raise ConfigError(
                 "model.tie_embeddings=true needs model.input_embedding_size == "
@@ -123,17 +125,6 @@ class ModelConfig:
         if not self.pad_token_id < self.vocab_size:
             raise ConfigError(f"model.pad_token_id={self.pad_token_id} is outside the vocabulary "
                               f"(model.vocab_size={self.vocab_size})")
-        if self.attention_backend not in ("sdpa", "fused_softmax"):
-            raise ConfigError(
-                f"model.attention_backend={self.attention_backend!r}: expected 'sdpa' or "
-                "'fused_softmax'")
-        if not (isinstance(self.compile, bool) or self.compile == "auto"):
-            raise ConfigError(
-                f"model.compile={self.compile!r}: expected true, false or auto (compiled on "
-                "CUDA, eager on CPU)")
-        if self.loss_backend not in ("fused", "reference"):
-            raise ConfigError(
-                f"model.loss_backend={self.loss_backend!r}: expected 'fused' or 'reference'")
 
     def compiles_on(self, device_type: str) -> bool:
         """Whether the Transformer layers run through torch.compile on a device of this type
@@ -146,7 +137,8 @@ class ModelConfig:
 
 # Fields that choose how the model is computed, not what it is: a checkpoint resumes, averages
 # and converts across them.
-EXECUTION_FIELDS = ("attention_backend", "loss_backend", "compile")
+EXECUTION_FIELDS = ("attention_backend", "loss_backend", "loss_chunk_rows", "loss_keep_logits_gib",
+                    "compile")
 
 # Every numeric field of ModelConfig and the values it may take.
 MODEL_RANGES: dict[str, Range] = {
@@ -158,7 +150,54 @@ MODEL_RANGES: dict[str, Range] = {
     "attention_probs_dropout_prob": PROBABILITY,
     "initializer_range": POSITIVE,
     "pad_token_id": AT_LEAST_0,  # and < vocab_size
+    "loss_chunk_rows": AT_LEAST_0,  # 0: the device's default
+    "loss_keep_logits_gib": AT_LEAST_0,  # 0: recompute the logits in backward
 }
+
+# Every ModelConfig field that takes one of a few values, and those values.
+MODEL_CHOICES: dict[str, tuple] = {
+    "attention_backend": ("sdpa", "fused_softmax"),
+    "loss_backend": ("fused", "reference"),
+    "compile": (True, False, "auto"),
+}
+
+
+def choice_text(value) -> str:
+    """A choice as the YAML spells it: true/false for booleans."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def check_choice(key: str, value, allowed: tuple) -> None:
+    """Raise ConfigError naming `key` unless `value` is one of `allowed` (type included: the
+    integer 1 is not true)."""
+    if not any(type(value) is type(a) and value == a for a in allowed):
+        words = [choice_text(a) for a in allowed]
+        raise ConfigError(f"{key}={value!r}: expected {', '.join(words[:-1])} or {words[-1]}")
+
+
+def check_buildable(model: ModelConfig, tp: int, pp: int) -> None:
+    """Whether `model` can be built at parallel.tp x parallel.pp: a valid model, whole heads
+    and FFN columns on each tensor-parallel rank, at least one Transformer layer per pipeline
+    stage, tied embeddings on one stage. The trainer and the converters (reshard, from-hf)
+    ask this one question; raises ConfigError naming the key."""
+    model.validate()
+    for key, size in (("parallel.tp", tp), ("parallel.pp", pp)):
+        if size < 1:
+            raise ConfigError(f"{key}={size}: must be >= 1")
+    if model.num_attention_heads % tp:
+        raise ConfigError(
+            f"model.num_attention_heads={model.num_attention_heads} is not divisible by "
+            f"parallel.tp={tp}; each tensor-parallel rank must hold whole heads")
+    if model.intermediate_size % tp:
+        raise ConfigError(
+            f"model.intermediate_size={model.intermediate_size} is not divisible by "
+            f"parallel.tp={tp}")
+    if model.num_hidden_layers < pp:
+        raise ConfigError(f"model.num_hidden_layers={model.num_hidden_layers} is fewer than "
+                          f"parallel.pp={pp} pipeline stages")
+    if pp > 1 and model.tie_embeddings:
+        raise ConfigError("model.tie_embeddings=true needs parallel.pp=1: the tied table would "
+                          "span the first and last pipeline stages")
 
 # The paper's ablation baseline (Section 4): mBERT-sized, 12 layers, H 768, 12 heads, a 120k
 # vocabulary (its exact size is not given), no dropout.

@@ -7,10 +7,11 @@
     train:    batch sizes, precision, steps, logging, checkpoints
     eval:     the per-language validation set
 
-Every number lives here once; `training.optim.deepspeed_config` writes batch sizes, precision,
-ZeRO stage, optimizer and clipping into the DeepSpeed config dict. The parallel layout (dp and
-gradient accumulation from tp, pp, the batch sizes and the world size) is derived once, by
-`validate_config`, into a `parallel.layout.Layout`.
+Every default lives in its dataclass, every allowed value in RANGES or CHOICES, and every
+check that needs no world size in `check_settings`; `training.optim.deepspeed_config` writes
+batch sizes, precision, ZeRO stage, optimizer and clipping into the DeepSpeed config dict.
+What follows from the checked config and the world size (layout, stage split, P and the mask
+rates, schedules) is resolved once into a `training.plan.RunPlan`.
 """
 
 from __future__ import annotations
@@ -21,23 +22,30 @@ import inspect
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
 from megatron_rembert.config import (
     AT_LEAST_0,
     AT_LEAST_1,
+    MODEL_CHOICES,
     MODEL_RANGES,
     POSITIVE,
     PROBABILITY,
     ConfigError,
     ModelConfig,
     Range,
+    check_buildable,
+    check_choice,
+    choice_text,
     get_preset,
 )
 from megatron_rembert.data.config import DataConfig
 from megatron_rembert.fs import unwritable_reason
-from megatron_rembert.parallel.layout import Layout
+
+if TYPE_CHECKING:
+    from megatron_rembert.data.schedule import DataPlan
 
 
 @dataclass
@@ -59,14 +67,14 @@ class ParallelConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"  # adamw | lamb (training/lamb.py: whole-parameter trust ratios)
+    name: str = "adamw"  # lamb: training/lamb.py, whole-parameter trust ratios
     lr: float = 2e-4
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-6
     weight_decay: float = 0.01
     warmup_steps: int = 15_000
-    # linear | cosine | 1-sqrt | constant: from decay_start_step to min_lr at train.steps
+    # from decay_start_step to min_lr at train.steps
     decay: str = "linear"
     # 0 = right after warm-up; later: warmup-stable-decay, lr held until this step
     decay_start_step: int = 0
@@ -79,7 +87,7 @@ class TrainConfig:
     steps: int = 1_760_000
     micro_batch_size: int = 8
     global_batch_size: int = 2048  # = micro_batch_size x gradient accumulation x DP
-    precision: str = "bf16"  # fp32 | bf16 | fp16; bf16 and fp16 need ZeRO stage 1 or 2
+    precision: str = "bf16"  # bf16 and fp16 need ZeRO stage 1 or 2
     # The Transformer layers' linears multiply in fp8 (parallel/fp8.py); weights, optimizer and
     # checkpoints stay train.precision's. Needs compute capability >= 8.9 on CUDA and hidden
     # and FFN sizes / tp in multiples of 16; a checkpoint resumes with it on or off
@@ -128,8 +136,7 @@ class Config:
 _SECTIONS = {f.name: f for f in dataclasses.fields(Config) if f.name != "model_preset"}
 
 # Every numeric setting and the values it may take (all finite), checked by check_ranges and
-# shown by `train.py --help`. Settings that depend on each other are checked in
-# validate_config.
+# shown by `train.py --help`. Settings that depend on each other are checked in check_settings.
 RANGES: dict[str, Range] = {
     **{f"model.{name}": allowed for name, allowed in MODEL_RANGES.items()},
     "parallel.tp": AT_LEAST_1,
@@ -165,12 +172,34 @@ RANGES: dict[str, Range] = {
     "eval.mask_prob": Range(0.0, 1.0, low_open=True, high_open=True),
 }
 
+# Every setting that takes one of a few values, and those values: checked by check_ranges,
+# shown by `train.py --help`.
+CHOICES: dict[str, tuple] = {
+    **{f"model.{name}": allowed for name, allowed in MODEL_CHOICES.items()},
+    "parallel.backend": ("auto", "nccl", "gloo"),
+    "data.mask_schedule": ("step", "linear"),
+    "optim.name": ("adamw", "lamb"),
+    "optim.decay": ("linear", "cosine", "1-sqrt", "constant"),
+    "train.precision": ("fp32", "bf16", "fp16"),
+}
+
+# The ZeRO stage pipeline parallelism needs: DeepSpeed's pipeline engine has no ZeRO-2, and
+# without ZeRO its gradient clipping counts a replicated parameter only on the first rank of
+# the tp x pp group, so the later stages' LayerNorms and biases drop out of the norm and
+# training differs from one process (ZeRO-1 computes the norm right;
+# tests/training/test_layouts.py). Checked here; `convert reshard` writes it for pp > 1.
+PIPELINE_ZERO_STAGE = 1
+
 
 def check_ranges(config: Config) -> None:
-    """Every numeric setting finite and in its range (RANGES), naming the key if not."""
+    """Every numeric setting finite and in its range (RANGES), every choice one of its values
+    (CHOICES), the schedules well formed; naming the key if not."""
     for key, allowed in RANGES.items():
         section, name = key.split(".")
         allowed.check(key, getattr(getattr(config, section), name))
+    for key, allowed in CHOICES.items():
+        section, name = key.split(".")
+        check_choice(key, getattr(getattr(config, section), name), allowed)
     if config.data.max_predictions > config.data.seq_length:
         raise ConfigError(f"data.max_predictions={config.data.max_predictions} exceeds "
                           f"data.seq_length={config.data.seq_length}")
@@ -182,7 +211,8 @@ def check_ranges(config: Config) -> None:
 
 def check_schedule(config: Config) -> None:
     """The data schedules and the LR's decay start, each problem one line naming the key.
-    Language names are checked against the dataset at start-up (training.loop.check_inputs)."""
+    Language names are checked against the dataset at start-up (training.loop.check_inputs),
+    P against the largest mask rate where it is derived (data.schedule.DataPlan.resolve)."""
     data, steps = config.data, config.train.steps
     starts = data.phase_starts
     if starts and starts[0] != 0.0:
@@ -202,21 +232,10 @@ def check_schedule(config: Config) -> None:
         for v in values:
             if v not in allowed:
                 raise ConfigError(f"data.{key}={values}: {v} is not in {allowed}")
-    if data.mask_schedule not in ("step", "linear"):
-        raise ConfigError(f"data.mask_schedule={data.mask_schedule!r}: expected step or linear")
     for lang, f in data.language_start.items():
         if not 0.0 <= f < 1.0:
             raise ConfigError(f"data.language_start.{lang}={f}: a fraction of train.steps in "
                               "[0, 1)")
-    from megatron_rembert.data.schedule import Schedule
-
-    rate = max(Schedule(data, steps).max_mask_prob, config.eval.mask_prob)
-    # A full row has seq_length - 2 candidates ([CLS] and [SEP] are never masked).
-    need = int((data.seq_length - 2) * rate + 0.5)
-    if 0 < data.max_predictions < need:
-        raise ConfigError(f"data.max_predictions={data.max_predictions} is too small for the "
-                          f"largest mask rate {rate:g}: a full row masks {need} tokens; set at "
-                          f"least {need}, or 0 to derive it")
     if config.optim.decay_start_step and not (
             config.optim.warmup_steps <= config.optim.decay_start_step < steps):
         raise ConfigError(f"optim.decay_start_step={config.optim.decay_start_step}: must be in "
@@ -235,9 +254,43 @@ def check_paths(config: Config) -> None:
             raise ConfigError(f"{key}={text}: {reason}; point {key} at a writable folder")
 
 
-def check_settings(config: Config) -> None:
-    """The checks that need neither the world size nor any heavy import: ranges and paths."""
+def check_config(config: Config) -> DataPlan:
+    """Every check that needs neither the world size nor the file system: ranges and
+    choices, whether the model can be built at parallel.tp x parallel.pp, the settings that
+    depend on each other. Returns the data plan resolved on the way (schedules, the largest
+    mask rate, P), which checks data.max_predictions against that rate."""
     check_ranges(config)
+    par, train = config.parallel, config.train
+    check_buildable(config.model, par.tp, par.pp)
+    if par.pp > 1 and par.zero_stage != PIPELINE_ZERO_STAGE:
+        raise ConfigError(f"parallel.zero_stage={par.zero_stage} with parallel.pp={par.pp}: "
+                          f"pipeline parallelism needs zero_stage={PIPELINE_ZERO_STAGE} "
+                          "(DeepSpeed's pipeline engine has no ZeRO-2, and clips gradients "
+                          "wrongly without ZeRO)")
+    if train.precision != "fp32" and par.zero_stage == 0:
+        # DeepSpeed (0.19) without ZeRO: bf16 cannot keep fp32 gradient accumulation, and its
+        # fp16 wrapper does not multiply the loss by the loss scale in engine.backward yet
+        # divides the gradients by it, takes one Adam step on zero gradients when built, and
+        # leaves tensor-parallel shards out of the clipping norm. The ZeRO optimizers have none
+        # of these faults (tests/training/test_fp16.py compares fp16 with fp32).
+        raise ConfigError(f"train.precision={train.precision} needs parallel.zero_stage=1 or 2 "
+                          "(DeepSpeed keeps fp32 master weights, gradients and a correct loss "
+                          "scale only in its ZeRO optimizers); zero_stage=0 is for fp32")
+    if train.fp8:
+        check_fp8(config)
+    if config.data.seq_length > config.model.max_position_embeddings:
+        raise ConfigError(
+            f"data.seq_length={config.data.seq_length} exceeds "
+            f"model.max_position_embeddings={config.model.max_position_embeddings}")
+    from megatron_rembert.data.schedule import DataPlan  # numpy: not for --help
+
+    return DataPlan.resolve(config.data, train.steps, config.eval.mask_prob)
+
+
+def check_settings(config: Config) -> None:
+    """Every check that needs no world size: `check_config`, and the paths (train.save_dir
+    and train.log_dir writable). What train.py runs before any heavy import."""
+    check_config(config)
     check_paths(config)
 
 
@@ -380,7 +433,9 @@ def config_help() -> str:
         notes = _field_notes(type(values))
         for f in dataclasses.fields(values):
             key = f"{section}.{f.name}"
-            allowed = f"  {RANGES[key]}" if key in RANGES else ""
+            allowed = (f"  {RANGES[key]}" if key in RANGES else
+                       f"  {' | '.join(map(choice_text, CHOICES[key]))}" if key in CHOICES
+                       else "")
             note = f"  ({notes[f.name]})" if f.name in notes else ""
             lines.append(f"  {key} = {getattr(values, f.name)}{allowed}{note}")
     return "\n".join(lines)
@@ -400,62 +455,6 @@ def _field_notes(cls) -> dict[str, str]:
             notes[match.group(1)] = match.group(2) or " ".join(above)
         above = []
     return notes
-
-
-def validate_config(config: Config, world_size: int, rank: int = 0) -> Layout:
-    """Check everything that can be checked before any heavy work; returns the layout of
-    `world_size` processes as seen from `rank`."""
-    check_ranges(config)
-    par, train, optim = config.parallel, config.train, config.optim
-    layout = Layout.build(world_size, rank, tp=par.tp, pp=par.pp,
-                          micro_batch_size=train.micro_batch_size,
-                          global_batch_size=train.global_batch_size)
-    config.model.validate(par.tp)
-    if config.model.num_hidden_layers < par.pp:
-        raise ConfigError(f"model.num_hidden_layers={config.model.num_hidden_layers} is fewer "
-                          f"than parallel.pp={par.pp} pipeline stages")
-    if par.pp > 1 and config.model.tie_embeddings:
-        raise ConfigError("model.tie_embeddings=true needs parallel.pp=1: the tied table would "
-                          "span the first and last pipeline stages")
-    if par.backend not in ("auto", "nccl", "gloo"):
-        raise ConfigError(f"parallel.backend={par.backend!r}: expected auto, nccl or gloo")
-    if not par.timeout_minutes > 0:
-        raise ConfigError(f"parallel.timeout_minutes={par.timeout_minutes}: must be > 0")
-    if par.zero_stage not in (0, 1, 2):
-        raise ConfigError(f"parallel.zero_stage={par.zero_stage}: expected 0, 1 or 2")
-    if par.pp > 1 and par.zero_stage != 1:
-        # Stage 2 is not supported by DeepSpeed's pipeline engine. Without ZeRO, its gradient
-        # clipping counts a replicated parameter only on the first rank of the tp x pp group,
-        # so the later stages' LayerNorms and biases drop out of the norm and training differs
-        # from one process (ZeRO-1 computes the norm right; tests/training/test_layouts.py).
-        raise ConfigError(f"parallel.zero_stage={par.zero_stage} with parallel.pp={par.pp}: "
-                          "pipeline parallelism needs zero_stage=1 (DeepSpeed's pipeline "
-                          "engine has no ZeRO-2, and clips gradients wrongly without ZeRO)")
-    if train.precision not in ("fp32", "bf16", "fp16"):
-        raise ConfigError(f"train.precision={train.precision!r}: expected fp32, bf16 or fp16")
-    if train.precision != "fp32" and par.zero_stage == 0:
-        # DeepSpeed (0.19) without ZeRO: bf16 cannot keep fp32 gradient accumulation, and its
-        # fp16 wrapper does not multiply the loss by the loss scale in engine.backward yet
-        # divides the gradients by it, takes one Adam step on zero gradients when built, and
-        # leaves tensor-parallel shards out of the clipping norm. The ZeRO optimizers have none
-        # of these faults (tests/training/test_fp16.py compares fp16 with fp32).
-        raise ConfigError(f"train.precision={train.precision} needs parallel.zero_stage=1 or 2 "
-                          "(DeepSpeed keeps fp32 master weights, gradients and a correct loss "
-                          "scale only in its ZeRO optimizers); zero_stage=0 is for fp32")
-    if train.fp8:
-        check_fp8(config)
-    if optim.name not in ("adamw", "lamb"):
-        raise ConfigError(f"optim.name={optim.name!r}: expected adamw or lamb")
-    if optim.decay not in ("linear", "cosine", "1-sqrt", "constant"):
-        raise ConfigError(f"optim.decay={optim.decay!r}: expected linear, cosine, 1-sqrt or "
-                          "constant")
-    if train.steps < 1:
-        raise ConfigError(f"train.steps={train.steps}: must be >= 1")
-    if config.data.seq_length > config.model.max_position_embeddings:
-        raise ConfigError(
-            f"data.seq_length={config.data.seq_length} exceeds "
-            f"model.max_position_embeddings={config.model.max_position_embeddings}")
-    return layout
 
 
 def check_fp8(config: Config) -> None:

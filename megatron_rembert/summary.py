@@ -10,6 +10,7 @@ import sys
 
 from megatron_rembert.cli import prog, run_cli
 from megatron_rembert.config import PRESETS, get_preset
+from megatron_rembert.data.config import DataConfig
 from megatron_rembert.model.sizes import flops_per_token, parameter_counts
 
 
@@ -52,9 +53,11 @@ def _main(argv: list[str] | None) -> int:
         description="Exact parameter counts, embedding shares and FLOPs per token of a preset.")
     parser.add_argument("--preset", default="rembert", choices=sorted(PRESETS) + ["all"],
                         help="model preset (default: rembert); 'all' prints every preset")
-    parser.add_argument("--seq-length", type=int, default=512, help="tokens per sequence")
-    parser.add_argument("--mask-rate", type=float, default=0.15,
-                        help="fraction of tokens with an MLM prediction (head FLOPs)")
+    parser.add_argument("--seq-length", type=int, default=DataConfig.seq_length,
+                        help=f"tokens per sequence (default {DataConfig.seq_length})")
+    parser.add_argument("--mask-rate", type=float, default=DataConfig.mask_prob,
+                        help="fraction of tokens with an MLM prediction (head FLOPs; "
+                        f"default {DataConfig.mask_prob})")
     args = parser.parse_args(argv)
     names = sorted(PRESETS) if args.preset == "all" else [args.preset]
     print("\n\n".join(format_summary(n, args.seq_length, args.mask_rate) for n in names))

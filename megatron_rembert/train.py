@@ -60,7 +60,7 @@ def _main(argv: list[str] | None, stop: StopFlag) -> int:
                         "else tp x pp)")
     args = parser.parse_args(argv)
     config = load_config(args.config, args.set)
-    # Ranges and paths, before torch.distributed, DeepSpeed or the model start.
+    # Every check that needs no world size, before torch.distributed, DeepSpeed or the model.
     check_settings(config)
     if config.parallel.ds_config:  # read and checked here, --dry-run included
         from megatron_rembert.training.optim import load_ds_config
@@ -72,9 +72,12 @@ def _main(argv: list[str] | None, stop: StopFlag) -> int:
     if args.world_size is not None and args.world_size < 1:
         raise ConfigError(f"--world-size {args.world_size}: must be >= 1")
     if args.dry_run:
-        from megatron_rembert.training.estimate import dry_run_report
+        from megatron_rembert.training.dry_run import dry_run_report
+        from megatron_rembert.training.plan import RunPlan
 
-        print(dry_run_report(config, args.world_size))
+        par = config.parallel
+        plan = RunPlan.build(config, args.world_size or par.tp * par.pp)
+        print(dry_run_report(config, plan))
         return 0
     stop.in_use = True
     from megatron_rembert.training.loop import train

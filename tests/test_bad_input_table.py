@@ -64,6 +64,8 @@ CASES = [
     ("predictions-over-seq", *_train("data.max_predictions=100", "data.seq_length=64"),
      "data.max_predictions"),
     ("min-lr-over-lr", *_train("optim.min_lr=1.0"), "optim.min_lr"),
+    ("precision-not-a-choice", *_train("train.precision=fp64"), "train.precision"),
+    ("tp-splits-heads", *_train("parallel.tp=4"), "parallel.tp=4"),
     ("save-dir-is-file", *_train("train.save_dir={d}/a_file"), "train.save_dir"),
     ("log-dir-is-file", *_train("train.log_dir={d}/a_file"), "train.log_dir"),
     ("save-dir-under-file", *_train("train.save_dir={d}/a_file/ckpt"), "train.save_dir"),

@@ -3,11 +3,15 @@ DeepSpeed engine) and `convert/` (the CLI, the transformers mapping, resharding)
 writes and hashing come from `megatron_rembert.fs`, which the data tools share.
 
 - `files`: safetensors reading and streamed writing, guarded torch loads;
-- `folder`: the step-folder protocol (`complete` marker, `latest`, `meta.json`, the integrity
-  manifest, one completeness check, one atomic commit, pruning, roll-back) and the save_dir lock;
+- `step_folder`: the step-folder protocol (`complete` marker, `latest`, `meta.json`, the
+  integrity manifest, one completeness check, one atomic commit, pruning, roll-back) and
+  `StepFolder`, a folder with its meta, checked once where it is resolved and passed on;
+- `lock`: the save_dir lock (one run per save folder);
 - `specs`: parameter specs (pipeline layer, TP split, vocabulary padding), one slice/merge pair;
 - `portable`: the portable format, written and read here (documented in its docstring);
-- `reader`: full tensors from a step folder of either kind, whatever its layout.
+- `reader`: full tensors from a step folder of either kind, whatever its layout;
+- `resume`: what a resume decides before the model is built, without the engine (the same
+  run? how it loads at this layout, what changes, where the data continues).
 
 Every error raised here is a `CheckpointError` whose message names the file or folder.
 This package imports nothing from `training/` or `convert/` (tests/checkpoint/test_imports.py).

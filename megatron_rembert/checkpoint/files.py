@@ -25,6 +25,10 @@ import torch
 from megatron_rembert.checkpoint import CheckpointError
 from megatron_rembert.fs import HashingFile
 
+# The first bytes of torch.save's default (zip) format, which torch.load checks the same way;
+# files of the legacy format (`_use_new_zipfile_serialization=False`) cannot be memory-mapped.
+ZIP_MAGIC = b"PK\x03\x04"
+
 # safetensors dtype names (the format's own spelling).
 ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
               torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.int8: "I8",
@@ -131,7 +135,8 @@ def deepspeed_safe_globals() -> list[type]:
 
 def torch_load_weights(path: str | Path, mmap: bool = True, allowed: tuple | list = (),
                        map_location: Any = "cpu") -> Any:
-    """`torch.load(weights_only=True)`, memory-mapped; refuses pickles that carry code.
+    """`torch.load(weights_only=True)`, memory-mapped unless the file is of the legacy
+    (non-zip) format; refuses pickles that carry code.
 
     `allowed`: extra classes trusted by name (DeepSpeed's own checkpoint bookkeeping).
     """
@@ -139,6 +144,9 @@ def torch_load_weights(path: str | Path, mmap: bool = True, allowed: tuple | lis
     if not path.is_file():
         raise CheckpointError(f"{path}: no such file")
     try:
+        if mmap:
+            with open(path, "rb") as f:
+                mmap = f.read(len(ZIP_MAGIC)) == ZIP_MAGIC
         with torch.serialization.safe_globals(list(allowed)):
             return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:
@@ -148,7 +156,4 @@ def torch_load_weights(path: str | Path, mmap: bool = True, allowed: tuple | lis
             f"{path}: refused to load: the pickle holds objects other than tensors and plain "
             f"data{what}, which could run code. Only load files you trust") from err
     except (RuntimeError, EOFError, OSError) as err:
-        if mmap and "mmap" in str(err):  # legacy (non-zip) files cannot be memory-mapped
-            return torch_load_weights(path, mmap=False, allowed=allowed,
-                                      map_location=map_location)
         raise CheckpointError(f"{path}: unreadable ({err}); it may be truncated") from err

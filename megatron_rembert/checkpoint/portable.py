@@ -1,7 +1,7 @@
 """The portable checkpoint: full tensors per pipeline layer, loadable at any TP x PP x DP.
 
 Written by `convert from-hf` (weights only) and `convert reshard` (weights + optimizer state),
-read by the trainer (training/portable.py puts the tensors into the engine) and by the
+read by the trainer (training/full_tensors.py puts the tensors into the engine) and by the
 converters, when `meta.json` says `"format": "megatron-rembert-portable-v1"`:
 
     step_XXXXXXXX/
@@ -11,7 +11,7 @@ converters, when `meta.json` says `"format": "megatron-rembert-portable-v1"`:
         index.json             tensor name -> file
         meta.json              config, layout (the one asked for), step, consumed_samples,
                                format, weights_only, optimizer {steps, lr_scheduler, ...}
-        manifest.json          size and sha256 of every file (folder.py)
+        manifest.json          size and sha256 of every file (step_folder.py)
         complete
 
 Tensors are stored full (not TP-split) with the vocabulary padding stripped; each rank reads
@@ -29,8 +29,8 @@ import torch
 
 from megatron_rembert.checkpoint import CheckpointError
 from megatron_rembert.checkpoint.files import ST_DTYPES, SafetensorsWriter, safe_open_checked
-from megatron_rembert.checkpoint.folder import commit, step_tag
 from megatron_rembert.checkpoint.specs import ParamSpec, shard
+from megatron_rembert.checkpoint.step_folder import commit, step_tag
 
 PORTABLE_FORMAT = "megatron-rembert-portable-v1"
 OPTIM_KEYS = ("exp_avg", "exp_avg_sq")

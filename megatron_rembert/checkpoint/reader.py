@@ -20,7 +20,6 @@ import torch
 
 from megatron_rembert.checkpoint import CheckpointError
 from megatron_rembert.checkpoint.files import deepspeed_safe_globals, torch_load_weights
-from megatron_rembert.checkpoint.folder import check_step_dir, read_meta, verify
 from megatron_rembert.checkpoint.portable import PortableReader, is_portable
 from megatron_rembert.checkpoint.specs import (
     ParamSpec,
@@ -30,6 +29,7 @@ from megatron_rembert.checkpoint.specs import (
     pipe_name,
     shard,
 )
+from megatron_rembert.checkpoint.step_folder import StepFolder, verify
 from megatron_rembert.config import ConfigError, ModelConfig, get_preset
 
 
@@ -46,12 +46,11 @@ def model_config(meta: dict, path: Path) -> ModelConfig:
 class CheckpointReader:
     """A complete, verified `step_*` folder; `full_weight` / `full_state` give full tensors."""
 
-    def __init__(self, folder: str | Path, verify_files: bool = True):
+    def __init__(self, step: StepFolder, verify_files: bool = True):
         """verify_files=False: the caller has checked the manifest already."""
-        self.folder = check_step_dir(folder)
+        self.folder, self.meta = step.path, step.meta
         if verify_files:
             verify(self.folder)
-        self.meta = read_meta(self.folder)
         self.model: ModelConfig = model_config(self.meta, self.folder / "meta.json")
         layout = self.meta["layout"]
         self.tp, self.pp = int(layout.get("tp") or 1), int(layout.get("pp") or 1)

@@ -25,20 +25,12 @@ from pathlib import Path
 
 import torch
 
-from megatron_rembert.checkpoint.folder import LATEST, check_step_dir, find_latest, read_meta
 from megatron_rembert.checkpoint.portable import write_portable
 from megatron_rembert.checkpoint.reader import CheckpointReader, model_config
 from megatron_rembert.checkpoint.specs import ParamSpec, param_specs
+from megatron_rembert.checkpoint.step_folder import resolve_checkpoint
 from megatron_rembert.config import EXECUTION_FIELDS, ModelConfig
 from megatron_rembert.convert.files import ConvertError, check_out_apart, staged_output
-
-
-def step_folder(path: str | Path) -> Path:
-    """A `step_*` folder as given, or the one a save folder's `latest` names."""
-    path = Path(path)
-    if (path / LATEST).is_file():
-        return find_latest(path)
-    return check_step_dir(path)
 
 
 def check_same_model(models: list[ModelConfig], folders: list[Path]) -> None:
@@ -69,10 +61,10 @@ def average(checkpoints: list[str], out: str, force: bool, log=print) -> Path:
     if len(checkpoints) < 2:
         raise ConvertError(f"--checkpoints: got {len(checkpoints)} checkpoint; averaging needs "
                            "at least 2")
-    folders = [step_folder(c) for c in checkpoints]
+    inputs = [resolve_checkpoint(c) for c in checkpoints]
+    folders, metas = [i.path for i in inputs], [i.meta for i in inputs]
     for folder in folders:
         check_out_apart(out, folder)
-    metas = [read_meta(f) for f in folders]
     check_same_model([model_config(m, f / "meta.json") for m, f in zip(metas, folders,
                                                                          strict=True)], folders)
     tokenizers = {m.get("tokenizer_sha256") for m in metas} - {None}
@@ -82,7 +74,7 @@ def average(checkpoints: list[str], out: str, force: bool, log=print) -> Path:
     newest = max(range(len(folders)), key=lambda i: int(metas[i]["step"]))
     step = int(metas[newest]["step"])
     with ExitStack() as stack:  # opening verifies every file against its manifest
-        readers = [stack.enter_context(CheckpointReader(f)) for f in folders]
+        readers = [stack.enter_context(CheckpointReader(i)) for i in inputs]
         weights = [master_weight(r) for r in readers]
         specs = param_specs(readers[0].model, 1)
 

@@ -4,6 +4,7 @@
   an error or a kill leaves no half-written output. The folder gets the mode `mkdir` would
   give (the user's umask), not mkdtemp's 0700, so a cluster group can read the export.
 - `check_out_apart` keeps --out away from the checkpoint's own save folder.
+- `check_tp_pp`: can the model be built at --tp x --pp (the trainer's own check).
 Reading and writing tensors (safetensors, guarded torch loads) is megatron_rembert/checkpoint.
 """
 
@@ -16,11 +17,21 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from megatron_rembert.config import ConfigError, ModelConfig, check_buildable
 from megatron_rembert.errors import UserError
 
 
 class ConvertError(UserError):
     """Bad input or output for a conversion; the message names the file or flag."""
+
+
+def check_tp_pp(model: ModelConfig, tp: int, pp: int) -> None:
+    """The trainer's question (`config.check_buildable`), asked of --tp and --pp: a layout
+    that cannot be built fails now, in the trainer's words, not on the cluster."""
+    try:
+        check_buildable(model, tp, pp)
+    except ConfigError as err:
+        raise ConvertError(f"--tp {tp} --pp {pp}: {err}") from err
 
 
 def check_out_apart(out: str | Path, checkpoint: str | Path) -> None:

@@ -149,7 +149,7 @@ def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
         values[key] = value
     model = ModelConfig(**values)
     try:
-        model.validate(1)
+        model.validate()
     except ConfigError as err:
         raise ConvertError(f"{where}: {err}") from err
     return model

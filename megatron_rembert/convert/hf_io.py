@@ -12,12 +12,17 @@ from megatron_rembert.checkpoint.files import (
     safe_open_checked,
     torch_load_weights,
 )
-from megatron_rembert.checkpoint.folder import resolve_checkpoint
 from megatron_rembert.checkpoint.portable import write_portable
 from megatron_rembert.checkpoint.reader import CheckpointReader
 from megatron_rembert.checkpoint.specs import ParamSpec, param_specs
+from megatron_rembert.checkpoint.step_folder import resolve_checkpoint
 from megatron_rembert.config import PRESETS, ModelConfig
-from megatron_rembert.convert.files import ConvertError, check_out_apart, staged_output
+from megatron_rembert.convert.files import (
+    ConvertError,
+    check_out_apart,
+    check_tp_pp,
+    staged_output,
+)
 from megatron_rembert.convert.hf import (
     HF_FIELDS,
     config_from_hf,
@@ -37,9 +42,9 @@ def _count(specs: list[ParamSpec]) -> int:
 def export_hf(checkpoint: str, out: str, tokenizer: str | None, force: bool,
               encoder_only: bool = False, log=print) -> dict:
     """Write a transformers `RemBertForMaskedLM` (or, encoder_only, `RemBertModel`) folder."""
-    checkpoint = resolve_checkpoint(checkpoint)
-    with CheckpointReader(checkpoint) as reader:
-        check_out_apart(out, checkpoint)
+    source = resolve_checkpoint(checkpoint)
+    with CheckpointReader(source) as reader:
+        check_out_apart(out, source.path)
         model = reader.model
         specs = param_specs(model, 1)
         kept = [s for s in specs if not (encoder_only and s.name.startswith("mlm_head."))]
@@ -146,10 +151,7 @@ def import_hf(model_dir: str, out: str, tp: int, pp: int, force: bool,
     else:
         config = Config(model=model, model_preset=_preset_name(model))
     config.parallel.tp, config.parallel.pp = tp, pp
-    model.validate(tp)
-    if model.num_hidden_layers < pp:
-        raise ConvertError(f"--pp {pp}: more stages than the model's {model.num_hidden_layers} "
-                           "layers")
+    check_tp_pp(model, tp, pp)
     weights = _HFWeights(folder)
     ours, dropped = our_names(weights.files, str(folder))
     for name in dropped:

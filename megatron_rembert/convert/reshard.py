@@ -15,42 +15,30 @@ from pathlib import Path
 
 import torch
 
-from megatron_rembert.checkpoint.folder import resolve_checkpoint
 from megatron_rembert.checkpoint.portable import write_portable
 from megatron_rembert.checkpoint.reader import CheckpointReader
 from megatron_rembert.checkpoint.specs import param_specs
-from megatron_rembert.config import ConfigError, ModelConfig
-from megatron_rembert.convert.files import ConvertError, check_out_apart, staged_output
-
-
-def check_layout(model: ModelConfig, tp: int, pp: int) -> None:
-    try:
-        model.validate(tp)
-    except ConfigError as err:
-        raise ConvertError(f"--tp {tp}: {err}") from err
-    if pp < 1 or model.num_hidden_layers < pp:
-        raise ConvertError(f"--pp {pp}: needs 1 <= pp <= num_hidden_layers="
-                           f"{model.num_hidden_layers}")
-    if pp > 1 and model.tie_embeddings:
-        raise ConvertError(f"--pp {pp}: a tied-embedding model needs pp=1")
+from megatron_rembert.checkpoint.step_folder import resolve_checkpoint
+from megatron_rembert.convert.files import check_out_apart, check_tp_pp, staged_output
+from megatron_rembert.run_config import PIPELINE_ZERO_STAGE
 
 
 def reshard(checkpoint: str, out: str, tp: int | None, pp: int | None, force: bool,
             weights_only: bool = False, log=print) -> Path:
     """`checkpoint`: a step folder or a save folder (its `latest`); tp/pp None: unchanged."""
-    checkpoint = resolve_checkpoint(checkpoint)
-    with CheckpointReader(checkpoint) as reader:
-        check_out_apart(out, checkpoint)
+    source = resolve_checkpoint(checkpoint)
+    with CheckpointReader(source) as reader:
+        check_out_apart(out, source.path)
         tp = reader.tp if tp is None else tp
         pp = reader.pp if pp is None else pp
-        check_layout(reader.model, tp, pp)
+        check_tp_pp(reader.model, tp, pp)
         weights_only = weights_only or reader.weights_only
         specs = param_specs(reader.model, 1)
         config = copy.deepcopy(reader.meta["config"])
         parallel = config.setdefault("parallel", {})
         parallel["tp"], parallel["pp"] = tp, pp
         if pp > 1:
-            parallel["zero_stage"] = 1  # what pipeline parallelism needs (validate_config)
+            parallel["zero_stage"] = PIPELINE_ZERO_STAGE
         meta = {"config": config, "tokenizer_sha256": reader.meta.get("tokenizer_sha256"),
                 "dataset_sha256": reader.meta.get("dataset_sha256"),
                 "layout": {"tp": tp, "pp": pp, "dp": None},

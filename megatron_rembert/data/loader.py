@@ -31,9 +31,9 @@ import numpy as np
 
 from megatron_rembert.data.common import DataError, Ready, ordered_map
 from megatron_rembert.data.config import DataConfig
-from megatron_rembert.data.masking import MaskingConfig, default_max_predictions, mask_batch
+from megatron_rembert.data.masking import MaskingConfig, mask_batch
 from megatron_rembert.data.sampler import ScheduledSampler, rank_sample_indices, rng_for
-from megatron_rembert.data.schedule import Schedule
+from megatron_rembert.data.schedule import DataPlan, Schedule
 from megatron_rembert.data.shards import ShardDataset
 from megatron_rembert.parallel.layout import Layout
 
@@ -221,35 +221,16 @@ def _to_torch(batch: dict[str, np.ndarray]) -> dict:
 
 
 def _setup(data: DataConfig, split: str, tokenizer_sha256: str | None, seed: int,
-           max_mask_prob: float, mask_prob: float | None = None):
-    """The dataset, its masking (at `mask_prob`, default data.mask_prob) and word starts. P is
-    data.max_predictions, or derived from the largest rate the run uses (`max_mask_prob`):
-    training and validation batches have the same width."""
+           plan: DataPlan, mask_prob: float):
+    """The dataset, its masking (at `mask_prob`, P wide: the plan's, the same for training
+    and validation) and word starts."""
     ds = ShardDataset(data.path, split, tokenizer_sha256=tokenizer_sha256,
                       seq_length=data.seq_length, verify_in_background=True)
     masking = MaskingConfig(
-        vocab_size=ds.vocab_size, seed=seed,
-        mask_prob=data.mask_prob if mask_prob is None else mask_prob,
-        whole_word_mask=data.whole_word_mask,
-        max_predictions=(data.max_predictions
-                         or default_max_predictions(ds.seq_length, max_mask_prob)),
+        vocab_size=ds.vocab_size, seed=seed, mask_prob=mask_prob,
+        whole_word_mask=data.whole_word_mask, max_predictions=plan.max_predictions,
         special_ids=ds.special_ids)
     return ds, masking, ds.word_starts() if data.whole_word_mask else None
-
-
-def _steps(data: DataConfig, steps: int | None) -> int:
-    """The run's length in steps: needed (train.steps) when the data has schedules."""
-    if steps is None:
-        if data.phase_starts or data.language_start:
-            raise ValueError("data has schedules (data.phase_starts, data.language_start): "
-                             "pass steps=train.steps")
-        return 1
-    return steps
-
-
-def max_mask_prob(data: DataConfig, steps: int, eval_mask_prob: float) -> float:
-    """The largest mask rate of the run, training schedule and validation: sets P."""
-    return max(Schedule(data, steps).max_mask_prob, eval_mask_prob)
 
 
 def build_sampler(data: DataConfig, ds: ShardDataset, schedule: Schedule, global_batch_size: int,
@@ -267,49 +248,44 @@ def build_sampler(data: DataConfig, ds: ShardDataset, schedule: Schedule, global
 
 
 def build_pretraining_loader(
-    data: DataConfig, layout: Layout, *, seed: int, tokenizer_sha256: str | None = None,
-    consumed_samples: int = 0, num_workers: int | None = None, prefetch: int = 4,
-    return_tensors: str = "pt", num_micro_batches: int | None = None,
-    steps: int | None = None, eval_mask_prob: float = 0.0,
+    data: DataConfig, layout: Layout, plan: DataPlan, *, seed: int,
+    tokenizer_sha256: str | None = None, consumed_samples: int = 0,
+    num_workers: int | None = None, prefetch: int = 4, return_tensors: str = "pt",
+    num_micro_batches: int | None = None,
 ) -> Iterator[dict]:
     """Endless micro-batches of this data-parallel rank (`layout.dp_rank`), in order, starting
     at `consumed_samples` (a multiple of the global batch). One optimizer step consumes
     `layout.gas` of them.
 
     Special ids and the vocabulary size come from the dataset's manifest (the trainer checks
-    them against the model before, in `training.loop.check_inputs`). The schedules of `data`
-    run over `steps` optimizer steps (train.steps; irrelevant without schedules). P =
-    `data.max_predictions`, 0 for `default_max_predictions(seq_length, r)` with r the largest
-    of the schedule's rates and `eval_mask_prob`. `num_workers` defaults to
+    them against the model before, in `training.loop.check_inputs`). `plan` (the run's, see
+    `DataPlan.resolve`) gives the schedules and P. `num_workers` defaults to
     `data.num_workers`; `num_micro_batches` (default: endless) stops the stream."""
-    schedule = Schedule(data, _steps(data, steps))
-    ds, masking, ws = _setup(data, "train", tokenizer_sha256, seed,
-                             max(schedule.max_mask_prob, eval_mask_prob))
-    sampler = build_sampler(data, ds, schedule, layout.global_batch_size, seed)
-    make = TrainBatches(ds, sampler, masking, ws, layout, consumed_samples, schedule)
+    ds, masking, ws = _setup(data, "train", tokenizer_sha256, seed, plan, data.mask_prob)
+    sampler = build_sampler(data, ds, plan.schedule, layout.global_batch_size, seed)
+    make = TrainBatches(ds, sampler, masking, ws, layout, consumed_samples, plan.schedule)
     workers = data.num_workers if num_workers is None else num_workers
     return iterate_batches(make, 0, num_micro_batches, workers, prefetch, return_tensors)
 
 
 def build_validation_set(
-    data: DataConfig, layout: Layout, *, seed: int, tokenizer_sha256: str | None = None,
-    per_language: int = 256, mask_prob: float = 0.15, steps: int | None = None,
+    data: DataConfig, layout: Layout, plan: DataPlan, *, seed: int, per_language: int,
+    tokenizer_sha256: str | None = None,
 ) -> ValidBatches:
     """The fixed, stratified validation set (`ValidBatches`): up to `per_language` sequences
-    of every language, masked at `mask_prob` whatever the training schedule says; batches as
-    wide (P) as training's (`steps`: train.steps, for the schedule's largest rate)."""
-    ds, masking, ws = _setup(data, "valid", tokenizer_sha256, seed,
-                             max_mask_prob(data, _steps(data, steps), mask_prob), mask_prob)
+    of every language, masked at the plan's validation rate whatever the training schedule
+    says, in batches as wide (P) as training's."""
+    ds, masking, ws = _setup(data, "valid", tokenizer_sha256, seed, plan, plan.eval_mask_prob)
     return ValidBatches(ds, masking, ws, layout, per_language, seed)
 
 
 def build_validation_loader(
-    data: DataConfig, layout: Layout, *, seed: int, tokenizer_sha256: str | None = None,
-    per_language: int = 256, mask_prob: float = 0.15, return_tensors: str = "pt",
+    data: DataConfig, layout: Layout, plan: DataPlan, *, seed: int, per_language: int,
+    tokenizer_sha256: str | None = None, return_tensors: str = "pt",
 ) -> Iterator[dict]:
     """One pass over the validation set of `build_validation_set`, language after language
     (same sequences and masks every time for a given seed), as this rank's micro-batches."""
-    valid = build_validation_set(data, layout, seed=seed, tokenizer_sha256=tokenizer_sha256,
-                                 per_language=per_language, mask_prob=mask_prob)
+    valid = build_validation_set(data, layout, plan, seed=seed, per_language=per_language,
+                                 tokenizer_sha256=tokenizer_sha256)
     for lang in range(len(valid.languages)):
         yield from valid.batches(lang, return_tensors)

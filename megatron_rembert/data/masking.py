@@ -23,14 +23,21 @@ import numpy as np
 
 from megatron_rembert.data import batch
 from megatron_rembert.data.common import SpecialIds
+from megatron_rembert.data.config import DataConfig
 from megatron_rembert.data.sampler import rng_for
 
 MASK_STREAM = 2  # the rng_for tag of the masking stream (0, 1: sampler)
 
 
-def default_max_predictions(seq_length: int, mask_prob: float = 0.15) -> int:
+def default_max_predictions(seq_length: int, mask_prob: float = DataConfig.mask_prob) -> int:
     """P: room for every prediction of a full row, rounded up to a multiple of 8 (512 -> 80)."""
     return 8 * math.ceil(math.ceil(seq_length * mask_prob) / 8)
+
+
+def masked_count(candidates: int, mask_prob: float) -> int:
+    """Tokens masked in a row of `candidates` maskable tokens at `mask_prob` (at least one
+    where there is a candidate), before the cap P."""
+    return 0 if candidates == 0 else max(1, int(candidates * mask_prob + 0.5))
 
 
 @dataclass(frozen=True)
@@ -38,7 +45,7 @@ class MaskingConfig:
     vocab_size: int
     max_predictions: int  # P
     seed: int = 0
-    mask_prob: float = 0.15
+    mask_prob: float = DataConfig.mask_prob
     replace_prob: float = 0.8  # -> [MASK]
     random_prob: float = 0.1  # -> random token; the rest keep the original
     whole_word_mask: bool = False
@@ -138,7 +145,7 @@ def _mask_row(ids: np.ndarray, cand: np.ndarray, index: int, cfg: MaskingConfig,
     rng = rng_for(cfg.seed, MASK_STREAM, int(index))
     n = int(cand.sum())
     rate = cfg.mask_prob if mask_prob is None else mask_prob
-    k = 0 if n == 0 else min(cfg.max_predictions, max(1, int(n * rate + 0.5)))
+    k = min(cfg.max_predictions, masked_count(n, rate))
     if k == 0:
         return None
     chosen = _choose(ids, cand, k, rng, cfg, word_starts, word_ids)

@@ -17,7 +17,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from megatron_rembert.config import ConfigError
 from megatron_rembert.data.config import DataConfig
+from megatron_rembert.data.masking import default_max_predictions, masked_count
 
 
 def start_step(fraction: float, steps: int) -> int:
@@ -79,3 +81,38 @@ class Schedule:
                        *(s for s in self.language_start.values() if s < self.steps)})
         return [(c, self.phase(c).alpha, [self.language_start.get(lang, 0) <= c
                                           for lang in languages]) for c in cuts]
+
+
+@dataclass(frozen=True)
+class DataPlan:
+    """What the data path derives from the `data:` and `eval:` settings and train.steps,
+    resolved once (`DataPlan.resolve`) and handed to the loaders, the stage split and the dry
+    run: the schedules, the largest mask rate and P."""
+
+    schedule: Schedule
+    eval_mask_prob: float  # validation masks at this rate, whatever the schedule says
+    max_mask_prob: float  # the largest rate of the run, schedule and validation: it sets P
+    max_predictions: int  # P, masked slots per sequence, training and validation alike
+
+    @classmethod
+    def resolve(cls, data: DataConfig, steps: int, eval_mask_prob: float) -> DataPlan:
+        """The plan of a run of `steps` optimizer steps. P is data.max_predictions, or (0)
+        room for a full row at the largest rate: training and validation batches have one
+        width, which a pipeline needs (its buffers are sized by the first micro-batch).
+        Refuses a data.max_predictions too small for that rate (ConfigError)."""
+        schedule = Schedule(data, steps)
+        rate = max(schedule.max_mask_prob, eval_mask_prob)
+        # A full row has seq_length - 2 candidates ([CLS] and [SEP] are never masked).
+        need = masked_count(data.seq_length - 2, rate)
+        if 0 < data.max_predictions < need:
+            raise ConfigError(f"data.max_predictions={data.max_predictions} is too small for "
+                              f"the largest mask rate {rate:g}: a full row masks {need} tokens; "
+                              f"set at least {need}, or 0 to derive it")
+        width = data.max_predictions or default_max_predictions(data.seq_length, rate)
+        return cls(schedule, eval_mask_prob, rate, width)
+
+    def training_masked_per_row(self, seq_length: int) -> int:
+        """Real masked tokens of a full training row at the schedule's largest rate (what the
+        fused loss's output projection runs on; the other slots of P carry weight 0)."""
+        return min(self.max_predictions,
+                   masked_count(seq_length - 2, self.schedule.max_mask_prob))

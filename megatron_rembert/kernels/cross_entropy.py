@@ -1,37 +1,53 @@
 """MLM output layer fused with softmax cross-entropy, for ONE vocabulary shard.
 
-    logits = hidden @ weight.T + bias            (never held for all rows at once)
+    logits = hidden @ weight.T + bias            (never held for all rows at once, unless kept)
     loss_i = logsumexp_global(logits_i) - logits_i[target_i]
 
-Forward, per chunk of `chunk_size` rows (only rows with weight != 0 are processed):
-  1. logits chunk by one matmul in the input dtype (BLAS accumulates in fp32);
+Every one of the N rows is computed, at static shapes: nothing here reads a value back to the
+host (no nonzero, no boolean indexing, no .item()), so on a GPU the host never waits for the
+device. Rows with weight 0 are masked explicitly (`torch.where`): loss exactly 0, never
+correct, and in backward a softmax of exactly 0 (their logsumexp set to +inf) with no target
+(id -1, in no shard) and an upstream gradient of 0, so they add exactly 0 to every gradient
+whatever their target id.
+
+Forward, per chunk of rows (`Tiling.forward_rows`, N split into equal chunks):
+  1. logits chunk by one matmul in the input dtype (the GEMM accumulates in fp32);
   2. a Triton kernel (or its torch reference) reads it once and writes per row the shard max
      m_r, the sum-exp s_r relative to m_r, and the target logit t_r (0 if not in the shard).
+  The first chunks whose logits fit in `keep_logits_gib` are written into one kept buffer
+  (kept rows x V_local) and saved for backward; the others are freed.
 Then, once per call, the cross-shard combination through the injected callables:
      M = reduce_max(m);  [S, T] = reduce_sum([s * exp(m - M), t]);  lse = log S + M
-That is 2 collectives per call, whatever N, on 1 x N_act and 2 x N_act fp32 tensors.
+That is 2 collectives per call, whatever N, on 1 x N and 2 x N fp32 tensors.
 Backward works in tiles of (row chunk) x (vocabulary block): the saved per-row global
 logsumexp makes each block's gradient independent of the others. Per vocabulary block, per
-row chunk: recompute the tile's logits, overwrite them in place with
-grad_out * (softmax - onehot) (a second kernel), and add the tile's products into fp32
-accumulators: the block's grad_weight (block x E), grad_hidden (N_act x E) and grad_bias.
-So no gradient is ever summed in bf16, and no V_local x E fp32 buffer exists. Saved for
-backward: the active rows of hidden, weight, bias, targets and the per-row global
-logsumexp, nothing logits-sized. No collective in backward: grad_hidden is this shard's
-contribution; the caller all-reduces it over tensor parallel.
+row chunk: take the tile's logits (a view of the kept buffer, or recomputed by one GEMM),
+overwrite them in place with grad_out * (softmax - onehot) (a second kernel), and add the
+tile's products into fp32 accumulators: the block's grad_weight (block x E), grad_hidden
+(N x E) and grad_bias. So no gradient is ever summed in bf16, and no V_local x E fp32 buffer
+exists. Saved for backward: hidden, weight, bias, targets, the per-row global logsumexp and
+the kept logits (at most `keep_logits_gib`). No collective in backward: grad_hidden is this
+shard's contribution; the caller all-reduces it over tensor parallel.
 
 Columns >= n_valid of the shard are vocabulary padding: -inf logits, zero probability.
-See docs/kernels.md for the memory math.
+See docs/kernels.md for the tiling rule per device and the memory math.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
 from megatron_rembert.kernels.aot import FLOAT_TYPES, KernelConfig, kernel_config
+from megatron_rembert.kernels.cross_entropy_tiling import (
+    Tiling,
+    choose_tiling,
+    kept_rows,
+    row_chunks,
+)
 
 try:  # triton is optional: the torch path must work where it is missing (e.g. macOS)
     import triton
@@ -41,11 +57,6 @@ except ImportError:  # pragma: no cover - exercised only on machines without tri
 
 Reduce = Callable[[torch.Tensor], None]  # in-place all-reduce over the tensor-parallel group
 
-# Default memory budget of one logits chunk, in elements: 2^25 = 128 MiB in fp32 (64 MiB in
-# bf16). With V_local = 250,300 that is 128 rows per chunk (rounded down to a multiple of
-# ROW_MULTIPLE), whose matmul (128 x 1664 x 250k) is still large enough to run at full speed.
-CHUNK_ELEMENTS = 2**25
-ROW_MULTIPLE = 16  # chunk rows rounded to a multiple of 16 for tensor-core friendly matmuls
 # Column tile of the Triton kernels: each program loops over its row in tiles of this width.
 BLOCK_V_MAX = 4096
 NUM_WARPS = 8  # per row program: a 4096-column tile is 16 values per thread
@@ -130,13 +141,19 @@ def chunk_grad_torch_(
     logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor,
     vocab_start: int, n_valid: int,
 ) -> None:
-    """Reference of the gradient kernel: logits (C x V_local) <- g * (softmax - onehot)."""
+    """Reference of the gradient kernel: logits (C x V_local) <- g * (softmax - onehot).
+
+    Static shapes: every row adds -1 or -0 at its target's column (clamped into the row when
+    the target is in another shard), which leaves the others' p unchanged bit for bit."""
+    C, V = logits.shape
+    if V == 0:
+        return
     p = logits.float()  # C x V_local, fp32: logits itself when fp32, else one copy
     p.sub_(lse[:, None]).exp_()
     p[:, n_valid:] = 0.0
     local = targets - vocab_start  # C
-    rows = torch.nonzero((local >= 0) & (local < n_valid)).squeeze(1)  # rows owning the target
-    p[rows, local[rows]] -= 1.0
+    in_shard = (local >= 0) & (local < n_valid)  # C
+    p.scatter_add_(1, local.clamp(0, V - 1)[:, None], -in_shard.to(p.dtype)[:, None])
     logits.copy_(p.mul_(grad_out[:, None]))
 
 
@@ -188,96 +205,97 @@ def chunk_grad_triton_(logits, targets, lse, grad_out, vocab_start, n_valid):  #
         )
 
 
-# ---------------------------------------------------------------- tiling
-class Tiling(NamedTuple):
-    forward_rows: int  # rows per forward chunk (tile: rows x V_local)
-    backward_rows: int  # rows per backward chunk (tile: rows x vocab_block)
-    vocab_block: int  # vocabulary rows per backward block (fp32 grad_weight: block x E)
-
-
-def _rows_within(budget: int, width: int) -> int:
-    """Rows of `width` elements that fit in `budget`, rounded down to ROW_MULTIPLE, >= 1."""
-    rows = budget // max(width, 1)
-    return max(1, rows // ROW_MULTIPLE * ROW_MULTIPLE if rows >= ROW_MULTIPLE else rows)
-
-
-def default_chunk_size(v_local: int, budget: int | None = None) -> int:
-    """Rows per chunk so that one logits chunk holds at most `budget` (CHUNK_ELEMENTS)
-    elements."""
-    return _rows_within(budget or CHUNK_ELEMENTS, v_local)
-
-
-def default_vocab_block(v_local: int, e: int, budget: int | None = None) -> int:
-    """Vocabulary rows per backward block so that its fp32 grad_weight accumulator
-    (block x E) holds at most `budget` (CHUNK_ELEMENTS) elements."""
-    return max(1, min(v_local, _rows_within(budget or CHUNK_ELEMENTS, e)))
-
-
-def choose_tiling(v_local: int, e: int, chunk_size: int | None,
-                  budget: int | None = None) -> Tiling:
-    """An explicit chunk_size is the rows per chunk of both passes. By default each pass
-    takes as many rows as fit the budget (CHUNK_ELEMENTS) at its tile width: backward tiles
-    are narrower (vocab_block < V_local for large vocabularies), so they take more rows."""
-    block = default_vocab_block(v_local, e, budget)
-    return Tiling(chunk_size or default_chunk_size(v_local, budget),
-                  chunk_size or default_chunk_size(block, budget), block)
-
-
 # ---------------------------------------------------------------- autograd Function
-def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """C x E @ (V_local x E).T (+ bias) -> C x V_local in the input dtype."""
-    return torch.addmm(bias, h, weight.t()) if bias is not None else h @ weight.t()
+def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """C x E @ (V_local x E).T (+ bias) -> C x V_local in the input dtype (into `out`)."""
+    if bias is not None:
+        return torch.addmm(bias, h, weight.t(), out=out)
+    return torch.mm(h, weight.t(), out=out)
 
 
 class _Saved(NamedTuple):
-    """What backward reads, for the active rows only."""
-    h: torch.Tensor  # N_act x E
+    """What backward reads."""
+    h: torch.Tensor  # N x E
     weight: torch.Tensor  # V_local x E
     bias: torch.Tensor | None  # V_local
-    tgt: torch.Tensor  # N_act, global ids
-    lse: torch.Tensor  # N_act fp32, global logsumexp
-    g: torch.Tensor  # N_act fp32, upstream gradient of each loss
+    tgt: torch.Tensor  # N, global ids; -1 on weight-0 rows
+    lse: torch.Tensor  # N fp32, global logsumexp; +inf on weight-0 rows
+    g: torch.Tensor  # N fp32, upstream gradient of each loss; 0 on weight-0 rows
+    kept: torch.Tensor  # kept x V_local, the forward logits of rows 0 .. kept
     vocab_start: int
     n_valid: int
     grad_rows: Callable  # chunk_grad_triton_ or chunk_grad_torch_
+    # fp32 buffers (V_local x E, V_local) that grad_weight / grad_bias are added into instead
+    # of returned: the trainer's main gradients; None: returned as usual
+    into_weight: torch.Tensor | None = None
+    into_bias: torch.Tensor | None = None
 
 
 def _grad_logits(s: _Saved, rows: slice, cols: slice) -> torch.Tensor:
-    """d(sum g * loss) / d logits of one tile: C x Vb in the input dtype."""
-    bias = s.bias[cols] if s.bias is not None else None  # Vb
-    dlogits = _logits(s.h[rows], s.weight[cols], bias)  # C x Vb, overwritten below
+    """d(sum g * loss) / d logits of one tile: C x Vb in the input dtype, written over the
+    kept logits (a strided view, row stride V_local) or over recomputed ones."""
+    if rows.stop <= s.kept.shape[0]:
+        dlogits = s.kept[rows, cols]  # C x Vb view: no GEMM
+    else:
+        bias = s.bias[cols] if s.bias is not None else None  # Vb
+        dlogits = _logits(s.h[rows], s.weight[cols], bias)  # C x Vb
     n_valid = min(max(s.n_valid - cols.start, 0), cols.stop - cols.start)  # block's real cols
     s.grad_rows(dlogits, s.tgt[rows], s.lse[rows], s.g[rows], s.vocab_start + cols.start,
                 n_valid)
     return dlogits
 
 
+def upcast_products(device: torch.device) -> bool:
+    """Whether a reduced-precision product summed in fp32 is an fp32 GEMM of upcast operands
+    (CPU) or the operands' own GEMM added in fp32 (GPU); see _add_product_."""
+    return device.type == "cpu"
+
+
+def _add_product_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, upcast: bool) -> None:
+    """out += a @ b, `out` fp32 or of the operands' dtype. A reduced-precision product summed
+    in fp32: on CPU an fp32 GEMM of the upcast operands (a's C rows are few; converting a
+    Vb x E product costs 4x that GEMM on a 20k x 1664 block of 76 rows); on a GPU the
+    tensor-core GEMM's product, rounded once to the operands' dtype, added in fp32."""
+    if out.dtype == a.dtype:
+        out.addmm_(a, b)
+    elif upcast:
+        out.addmm_(a.float(), b.float())
+    else:
+        out += a @ b
+
+
 def _backward_tiles(s: _Saved, tiling: Tiling, need: tuple[bool, bool, bool]
                     ) -> tuple[torch.Tensor | None, ...]:
-    """grad_h (N_act x E fp32), grad_w (V_local x E, weight dtype), grad_b (V_local fp32).
+    """grad_h (N x E fp32), grad_w (V_local x E, weight dtype), grad_b (V_local fp32).
 
-    Every gradient is summed in fp32. In fp32 the GEMMs accumulate straight into the
-    gradients (`addmm_`: no product tensor, no separate accumulator). In a reduced precision
-    each tile's GEMM accumulates in fp32 and rounds its product once to the input dtype; the
-    products are summed in fp32 buffers (grad_hidden, one vocabulary block of grad_weight), so
-    the error does not grow with the tile count. A block covered by one row chunk (few masked
-    rows) has one product: it goes straight into grad_weight, which is the same rounding.
+    Rows are chunked in two runs, the kept rows and the recomputed ones, so a chunk is either
+    all kept or all recomputed. Every gradient is summed in fp32. In fp32 the GEMMs accumulate
+    straight into the gradients (`addmm_`: no product tensor, no separate accumulator). In a
+    reduced precision grad_weight is summed in an fp32 buffer per vocabulary block (or in the
+    fp32 main gradient) and rounded once, so the error does not grow with the tile count; see
+    _add_product_ for how each product reaches it. A block covered by one row chunk has one
+    product: it goes straight into grad_weight, which is the same rounding.
     """
-    (n_act, e), v_local = s.h.shape, s.weight.shape[0]
+    (n, e), v_local, keep = s.h.shape, s.weight.shape[0], s.kept.shape[0]
     f32 = dict(dtype=torch.float32, device=s.h.device)
     exact = s.h.dtype == torch.float32  # fp32 products need no separate fp32 sum
-    grad_h = torch.zeros(n_act, e, **f32) if need[0] else None  # N_act x E, over blocks
-    grad_w = torch.empty_like(s.weight) if need[1] else None  # V_local x E
-    grad_b = torch.zeros(v_local, **f32) if need[2] else None  # V_local
-    chunks = [slice(lo, min(lo + tiling.backward_rows, n_act))
-              for lo in range(0, n_act, tiling.backward_rows)] or [slice(0, 0)]
+    upcast = upcast_products(s.h.device)
+    grad_h = torch.zeros(n, e, **f32) if need[0] else None  # N x E, over blocks
+    into_w, into_b = s.into_weight, s.into_bias  # main gradients: fp32 sums of their own
+    grad_w = torch.empty_like(s.weight) if need[1] and into_w is None else None  # V_local x E
+    grad_b = (into_b if into_b is not None
+              else torch.zeros(v_local, **f32) if need[2] else None)  # V_local, fp32
+    chunks = (row_chunks(0, keep, tiling.backward_rows)
+              + row_chunks(keep, n, tiling.backward_rows)) or [slice(0, 0)]
+    # one product per block, in the weight's dtype: grad_weight is written directly
+    direct = exact or len(chunks) == 1
     for v0 in range(0, v_local, tiling.vocab_block):
         cols = slice(v0, min(v0 + tiling.vocab_block, v_local))
-        # where this block's grad_weight is summed: in grad_w itself, or in fp32 (Vb x E)
-        direct = exact or len(chunks) == 1
-        out_w = None
+        # where this block's grad_weight is summed: the main gradient, grad_w, or fp32 Vb x E
+        sum_w = into_w[cols] if into_w is not None else None
         if grad_w is not None:
-            out_w = grad_w[cols] if direct else torch.zeros(cols.stop - v0, e, **f32)
+            sum_w = grad_w[cols] if direct else torch.zeros(cols.stop - v0, e, **f32)
         for i, rows in enumerate(chunks):
             dlogits = _grad_logits(s, rows, cols)  # C x Vb
             if grad_h is not None:
@@ -285,65 +303,74 @@ def _backward_tiles(s: _Saved, tiling: Tiling, need: tuple[bool, bool, bool]
                     grad_h[rows].addmm_(dlogits, s.weight[cols])  # C x E
                 else:
                     grad_h[rows] += dlogits @ s.weight[cols]  # C x E
-            if out_w is not None:
-                if i == 0 and direct:
-                    torch.mm(dlogits.t(), s.h[rows], out=out_w)  # Vb x E, first product
-                elif exact:
-                    out_w.addmm_(dlogits.t(), s.h[rows])
+            if sum_w is not None:
+                if i == 0 and grad_w is not None and direct:
+                    torch.mm(dlogits.t(), s.h[rows], out=sum_w)  # Vb x E, first product
                 else:
-                    out_w += dlogits.t() @ s.h[rows]
+                    _add_product_(sum_w, dlogits.t(), s.h[rows], upcast)
             if grad_b is not None:
                 grad_b[cols] += dlogits.sum(dim=0, dtype=torch.float32)  # Vb
-        if out_w is not None and not direct:
-            grad_w[cols] = out_w  # rounded once to the weight's dtype
+        if grad_w is not None and not direct:
+            grad_w[cols] = sum_w  # rounded once to the weight's dtype
     return grad_h, grad_w, grad_b
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, weights, vocab_start, n_valid,  # noqa: ANN001
-                reduce_max, reduce_sum, tiling, use_triton):
+                reduce_max, reduce_sum, tiling, use_triton, keep_logits_gib, main_grads):
         stats = chunk_stats_triton if use_triton else chunk_stats_torch
-        active = torch.nonzero(weights != 0).squeeze(1)  # N_act, rows that carry loss
-        h = hidden.index_select(0, active)  # N_act x E
-        tgt = targets.index_select(0, active)  # N_act
-        n_act, chunk = h.shape[0], tiling.forward_rows
-        row_max = torch.empty(n_act, dtype=torch.float32, device=h.device)  # N_act
-        sums = torch.empty(2, n_act, dtype=torch.float32, device=h.device)  # 2 x N_act
-        for lo in range(0, n_act, chunk):
-            hi = min(lo + chunk, n_act)
-            m, s, t = stats(_logits(h[lo:hi], weight, bias), tgt[lo:hi], vocab_start, n_valid)
-            row_max[lo:hi], sums[0, lo:hi], sums[1, lo:hi] = m, s, t
-        local_max = row_max.clone()  # N_act
+        n, v_local = hidden.shape[0], weight.shape[0]
+        f32 = dict(dtype=torch.float32, device=hidden.device)
+        active = weights != 0  # N, rows that carry loss
+        tgt = torch.where(active, targets, -1)  # N; a weight-0 row's target: id -1, no shard's
+        chunks = row_chunks(0, n, tiling.forward_rows)
+        keep = kept_rows(chunks, v_local, hidden.element_size(), keep_logits_gib)
+        kept = hidden.new_empty(keep, v_local)  # kept x V_local, saved for backward
+        row_max = torch.empty(n, **f32)  # N
+        sums = torch.empty(2, n, **f32)  # 2 x N
+        for rows in chunks:
+            logits = _logits(hidden[rows], weight, bias, kept[rows] if rows.stop <= keep else None)
+            m, s, t = stats(logits, tgt[rows], vocab_start, n_valid)  # C x V_local -> 3 x C
+            row_max[rows], sums[0, rows], sums[1, rows] = m, s, t
+        local_max = row_max.clone()  # N
         if reduce_max is not None:
             reduce_max(row_max)  # row_max is now the global max M
         sums[0] *= torch.exp(local_max - row_max)  # s_r rescaled to the global max
         if reduce_sum is not None:
             reduce_sum(sums)  # [S, target logit] summed over shards
-        lse = torch.log(sums[0]) + row_max  # N_act, global logsumexp
-        losses = torch.zeros(hidden.shape[0], dtype=torch.float32, device=h.device)  # N
-        losses[active] = lse - sums[1]
-        correct = torch.zeros(hidden.shape[0], dtype=torch.bool, device=h.device)  # N
-        correct[active] = sums[1] >= row_max
-        ctx.save_for_backward(h, weight, bias, tgt, lse, active)
-        ctx.meta = (hidden.shape, vocab_start, n_valid, tiling, use_triton)
+        lse = torch.log(sums[0]) + row_max  # N, global logsumexp
+        losses = torch.where(active, lse - sums[1], 0.0)  # N
+        correct = active & (sums[1] >= row_max)  # N
+        # backward: exp(x - inf) = 0, so a weight-0 row's softmax is exactly 0
+        lse = torch.where(active, lse, float("inf"))  # N
+        ctx.save_for_backward(hidden, weight, bias, tgt, lse, active, kept)
+        ctx.meta = (vocab_start, n_valid, tiling, use_triton, main_grads)
+        ctx.kept_consumed = False
         ctx.mark_non_differentiable(correct)
         return losses, correct
 
     @staticmethod
     def backward(ctx, grad_losses, _grad_correct):  # noqa: ANN001
-        h, weight, bias, tgt, lse, active = ctx.saved_tensors
-        hidden_shape, vocab_start, n_valid, tiling, use_triton = ctx.meta
-        g = grad_losses.index_select(0, active).float().contiguous()  # N_act
-        saved = _Saved(h, weight, bias, tgt, lse, g, vocab_start, n_valid,
-                       chunk_grad_triton_ if use_triton else chunk_grad_torch_)
+        # backward overwrites the kept logits with their gradient (autograd's version check
+        # would refuse a second pass too, but without saying why)
+        if ctx.kept_consumed:
+            raise RuntimeError(
+                "linear_cross_entropy: a second backward through a forward that kept its "
+                "logits (keep_logits_gib > 0) would read their overwritten values; run that "
+                "forward with keep_logits_gib=0 to backward through it twice")
+        hidden, weight, bias, tgt, lse, active, kept = ctx.saved_tensors
+        vocab_start, n_valid, tiling, use_triton, (into_weight, into_bias) = ctx.meta
+        ctx.kept_consumed = kept.shape[0] > 0
+        g = torch.where(active, grad_losses.float(), 0.0)  # N
+        saved = _Saved(hidden, weight, bias, tgt, lse, g, kept, vocab_start, n_valid,
+                       chunk_grad_triton_ if use_triton else chunk_grad_torch_,
+                       into_weight, into_bias)
         grad_h, grad_w, grad_b = _backward_tiles(saved, tiling, ctx.needs_input_grad[:3])
-        grad_hidden = None
-        if grad_h is not None:  # N x E, zero on the rows without loss
-            grad_hidden = h.new_zeros(hidden_shape).index_copy_(0, active, grad_h.to(h.dtype))
-        if grad_b is not None:
-            grad_b = grad_b.to(bias.dtype)
-        return grad_hidden, grad_w, grad_b, *([None] * 8)
+        grad_hidden = grad_h.to(hidden.dtype) if grad_h is not None else None  # N x E
+        # a gradient added into its main gradient is not returned (None: autograd adds nothing)
+        grad_b = None if grad_b is None or into_bias is not None else grad_b.to(bias.dtype)
+        return grad_hidden, grad_w, grad_b, *([None] * 10)
 
 
 def linear_cross_entropy(
@@ -358,6 +385,8 @@ def linear_cross_entropy(
     reduce_max: Reduce | None = None,
     reduce_sum: Reduce | None = None,
     chunk_size: int | None = None,
+    keep_logits_gib: float = 0.0,
+    main_grads: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row softmax cross-entropy of `hidden @ weight.T + bias` over the global vocabulary.
@@ -368,20 +397,30 @@ def linear_cross_entropy(
         weight: V_local x E, this shard's rows vocab_start .. vocab_start + V_local of the
             padded output embedding; same dtype as hidden.
         bias: V_local or None.
-        targets: N int64 GLOBAL vocabulary ids (valid ids wherever weights != 0).
-        weights: N float; rows with weight 0 are skipped (loss 0, gradient 0, not correct).
+        targets: N int64 GLOBAL vocabulary ids (valid ids wherever weights != 0; any value
+            elsewhere).
+        weights: N float; rows with weight 0 give loss 0, gradient 0 and are never correct.
+            Every row is computed all the same (static shapes, no host sync).
         vocab_start: first global id of this shard.
         n_valid: columns n_valid .. V_local of this shard are padding (never take mass).
         reduce_max / reduce_sum: in-place all-reduce callables over the tensor-parallel group;
-            None = single shard. Called exactly once each per forward, on an N_act and a
-            2 x N_act fp32 tensor. Every rank must pass the same `weights`.
-        chunk_size: rows per chunk, forward and backward; default: as many as fit
-            CHUNK_ELEMENTS logits per chunk in each pass (see `choose_tiling`).
+            None = single shard. Called exactly once each per forward, on an N and a 2 x N
+            fp32 tensor.
+        chunk_size: at most this many rows per chunk, forward and backward; default: the
+            device's tiling (`choose_tiling`). Rows are split into equal chunks.
+        keep_logits_gib: keep the logits of the first forward chunks that fit in this many
+            GiB for backward, which then skips their recomputation (one GEMM of four); 0 =
+            recompute every chunk. Only when a gradient is needed; a graph that kept logits
+            can be backwarded once.
+        main_grads: fp32 buffers of the shapes of weight and bias (the trainer's main
+            gradients, training/main_grads.py) into which backward adds grad_weight and
+            grad_bias, summed in fp32 without a rounding to the weight's dtype; autograd then
+            gets no gradient for that tensor. None (each): returned as usual.
         backend: "auto" (CUDA -> Triton, CPU -> torch), "triton" or "torch".
 
     Returns:
         losses: N fp32, per-row cross-entropy (0 where weight is 0).
-        correct: N bool, target logit >= global max logit and weight > 0.
+        correct: N bool, target logit >= global max logit and weight != 0.
     The caller reduces `(losses * weights).sum()`; backward returns this shard's contribution
     to grad_hidden (to be all-reduced over TP by the caller), grad_weight and grad_bias.
     """
@@ -409,8 +448,19 @@ def linear_cross_entropy(
     if chunk_size is not None and chunk_size < 0:
         raise ValueError(f"chunk_size must be >= 1 rows, or None / 0 for the default, "
                          f"got {chunk_size}")
-    tiling = choose_tiling(weight.shape[0], weight.shape[1], chunk_size)
+    if not (math.isfinite(keep_logits_gib) and keep_logits_gib >= 0):
+        raise ValueError(f"keep_logits_gib must be a finite number >= 0 (0 = recompute the "
+                         f"logits in backward), got {keep_logits_gib}")
+    for into, like in zip(main_grads, (weight, bias), strict=True):
+        if into is not None and (like is None or into.shape != like.shape
+                                 or into.dtype != torch.float32):
+            raise ValueError("main_grads must be fp32 tensors of the shapes of weight and bias")
+    tiling = choose_tiling(weight.shape[0], weight.shape[1], chunk_size, cuda=hidden.is_cuda)
+    # kept logits serve backward only: none under no_grad or without a parameter needing grad
+    grads = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (hidden, weight, bias))
     return _LinearCrossEntropy.apply(
         hidden, weight.contiguous(), bias, targets.long(), weights, int(vocab_start),
         int(n_valid), reduce_max, reduce_sum, tiling, use_triton,
+        float(keep_logits_gib) if grads else 0.0, tuple(main_grads),
     )

@@ -46,11 +46,19 @@ def gather_positions(hidden: torch.Tensor, positions: torch.Tensor) -> torch.Ten
     return hidden.gather(1, index).reshape(-1, hidden.shape[-1])
 
 
+def _main_grad(param: torch.Tensor | None) -> torch.Tensor | None:
+    if param is None or not param.requires_grad:
+        return None
+    return getattr(param, "main_grad", None)
+
+
 class MLMHead(nn.Module):
     def __init__(self, config: ModelConfig, tied_embedding: VocabParallelEmbedding | None = None):
         super().__init__()
         e_out = config.output_embedding_size
         self.loss_backend = config.loss_backend
+        self.loss_chunk_rows = config.loss_chunk_rows or None  # 0: the device's default
+        self.loss_keep_logits_gib = config.loss_keep_logits_gib
         self.dense = nn.Linear(config.hidden_size, e_out)
         self.layer_norm = nn.LayerNorm(e_out, eps=config.layer_norm_eps)
         self.decoder = VocabParallelOutput(config.padded_vocab_size(state.tp_size()), e_out,
@@ -70,17 +78,25 @@ class MLMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
                 ) -> MLMLoss:
-        """hidden: N x H at masked positions; labels: N global ids; weights: N (0 = padding)."""
+        """hidden: N x H at masked positions; labels: N global ids; weights: N (0 = padding,
+        any label). Runs at static shapes: no host sync."""
         weights = weights.float()
         x = copy_to_tp(self.transform(hidden))  # N x E_out; each shard adds its grad part
         dec = self.decoder
         if self.loss_backend == "fused":
+            # Under the trainer's fp32 main gradients (training/main_grads.py) the output
+            # embedding's gradient is summed straight into them: no V_local x E gradient in the
+            # weight's dtype, no conversion afterwards.
+            main_grads = ((_main_grad(dec.weight), _main_grad(dec.bias))
+                          if torch.is_grad_enabled() else (None, None))
             losses, correct = fused_vocab_parallel_linear_cross_entropy(
-                x, dec.weight, dec.bias, labels, weights, dec.vocab_start, dec.n_valid)
+                x, dec.weight, dec.bias, labels, weights, dec.vocab_start, dec.n_valid,
+                self.loss_chunk_rows, self.loss_keep_logits_gib, main_grads)
         else:
             logits = F.linear(x, dec.weight, dec.bias)  # N x V_local
-            losses, correct = vocab_parallel_cross_entropy(logits, labels, dec.vocab_start,
-                                                           dec.n_valid)
-        real = weights > 0
+            losses, correct = vocab_parallel_cross_entropy(logits, labels, weights,
+                                                           dec.vocab_start, dec.n_valid)
+        # both losses are 0 and never correct at weight-0 rows (masked inside, whatever the
+        # label): no mask here, and no op whose shape depends on the data
         return MLMLoss(loss_sum=(losses * weights).sum(), num_tokens=weights.sum(),
-                       num_correct=(correct & real).sum())
+                       num_correct=correct.sum())

@@ -2,11 +2,12 @@
 
 A 1F1B pipeline runs at the pace of its slowest stage, so stages are balanced by the training
 FLOPs of their layers, not by their parameters: RemBERT's 418M-parameter MLM head holds as
-many parameters as ~26 Transformer layers but runs only on the P masked slots of a sequence,
+many parameters as ~26 Transformer layers but runs only on the masked slots of a sequence,
 about 5 layers' worth of compute with the loss's recomputation in backward.
 
 Everything here is a pure function of per-layer numbers: `training.estimate` turns a config
-into those numbers, and the trainer and `--dry-run` both take the boundaries it returns.
+into those numbers, and the run plan (training/plan.py) keeps the boundaries it returns for
+the trainer, the checkpoint metadata and `--dry-run`.
 """
 
 from __future__ import annotations
@@ -15,23 +16,28 @@ from megatron_rembert.config import ModelConfig
 
 
 def pipeline_layer_flops(config: ModelConfig, seq_length: int, predictions: int,
-                         recompute: bool) -> list[float]:
+                         recompute: bool, *, masked: int | None = None) -> list[float]:
     """Training matmul FLOPs per sequence of every pipeline layer (embedding, N Transformer
     layers, MLM head), 2 per multiply-add.
 
     Training is forward + backward (2x forward), plus one more forward of each Transformer
-    layer with activation checkpointing (`recompute`). The head runs on the `predictions`
-    slots of a sequence (P, padded slots included: the GEMMs are B*P rows), and its fused
-    loss recomputes the logits tile by tile in backward (kernels/cross_entropy.py): one more
-    forward of the output projection.
+    layer with activation checkpointing (`recompute`). The head's dense (H -> E_out) runs on
+    the `predictions` slots of a sequence (P, padded slots included: its GEMM is B*P rows).
+    The output projection (E_out -> V, most of the head) runs on as many rows with
+    model.loss_backend=reference, which computes the logits of every slot; the fused loss
+    (kernels/cross_entropy.py) skips the slots of weight 0, so it runs on the `masked` real
+    tokens of a sequence (default: all P), and recomputes their logits tile by tile in
+    backward: one more forward of the projection.
     """
     h, f, s = config.hidden_size, config.intermediate_size, seq_length
     e_in, e_out, v = config.input_embedding_size, config.output_embedding_size, config.vocab_size
     embedding = 3 * 2 * s * e_in * h  # the E_in -> H projection; lookups are not matmuls
     layer_forward = s * (2 * (4 * h * h + 2 * h * f) + 2 * 2 * s * h)  # QKVO, FFN, QK^T and PV
     layer = (4 if recompute else 3) * layer_forward
-    projection = 2 * predictions * e_out * v  # forward of the output projection
-    head = 3 * (2 * predictions * h * e_out + projection) + projection
+    fused = config.loss_backend == "fused"
+    rows = predictions if masked is None or not fused else masked
+    projection = 2 * rows * e_out * v  # forward of the output projection
+    head = 3 * (2 * predictions * h * e_out + projection) + (projection if fused else 0)
     return [float(embedding)] + [float(layer)] * config.num_hidden_layers + [float(head)]
 
 

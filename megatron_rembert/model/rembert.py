@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from megatron_rembert.config import ModelConfig
+from megatron_rembert.config import ModelConfig, check_buildable
 from megatron_rembert.model.embeddings import RemBertEmbeddings
 from megatron_rembert.model.mlm_head import MLMHead, MLMLoss, gather_positions
 from megatron_rembert.model.transformer import TransformerLayer
@@ -34,7 +34,7 @@ class Pooler(nn.Module):
 class RemBertModel(nn.Module):
     def __init__(self, config: ModelConfig, add_pooler: bool = False):
         super().__init__()
-        config.validate(state.tp_size())
+        check_buildable(config, state.tp_size(), 1)
         self.config = config
         self.embeddings = RemBertEmbeddings(config)
         self.layers = nn.ModuleList(TransformerLayer(config)

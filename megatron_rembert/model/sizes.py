@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from megatron_rembert.config import ModelConfig
+from megatron_rembert.data.config import DataConfig
 
 
 def count_parameters(what: nn.Module | nn.Parameter) -> int:
@@ -55,7 +56,8 @@ def parameter_counts(config: ModelConfig) -> ParameterCounts:
         output_embedding=output)
 
 
-def flops_per_token(config: ModelConfig, seq_length: int, mask_rate: float = 0.15) -> dict:
+def flops_per_token(config: ModelConfig, seq_length: int,
+                    mask_rate: float = DataConfig.mask_prob) -> dict:
     """Matmul FLOPs per input token (2 per multiply-add), forward and training (3x forward).
 
     Bidirectional attention: every query attends to all seq_length keys (no causal halving).

@@ -6,13 +6,16 @@ NCCL process groups carry CUDA tensors only: a CPU scalar all-reduced on a GPU c
 tensor on another device is moved to the communication device (the training device, set once by
 the trainer) and back, and host numbers are reduced as one small tensor on that device.
 
-Also here: the collective timeout, so that a missed collective fails within minutes with each
-rank's position instead of blocking for gloo's 10 or NCCL's 30 minutes.
+Also here: `agree_or_raise`, the one way ranks agree that a step failed on some of them (a
+lock, a save, a manifest check); and the collective timeout, so that a missed collective fails
+within minutes with each rank's position instead of blocking for gloo's 10 or NCCL's 30
+minutes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -72,6 +75,28 @@ def all_reduce_values(values: Sequence[float], op: dist.ReduceOp = dist.ReduceOp
 def to_host(tensor: torch.Tensor) -> list[float]:
     """The one place reduced values come back to the host (a test patches it)."""
     return tensor.tolist()
+
+
+@contextmanager
+def agree_or_raise(catch: type[BaseException] | tuple[type[BaseException], ...],
+                   failure: Callable[[BaseException | None, int], BaseException]
+                   ) -> Iterator[None]:
+    """Run the block on every rank, then agree in one collective (also a barrier) whether it
+    failed on any: an error of type `catch` is held until then, so no rank is left waiting in
+    a collective that a failed rank never reaches. When n ranks failed, every rank raises
+    `failure(its own error or None, n)` (`failure` may return the error itself)."""
+    error = None
+    try:
+        yield
+    except catch as err:
+        error = err
+    (failed,) = all_reduce_values([0.0 if error is None else 1.0])
+    if error is None and not failed:
+        return
+    raised = failure(error, int(failed))
+    if raised is error:
+        raise error
+    raise raised from error
 
 
 def barrier(group=None) -> None:

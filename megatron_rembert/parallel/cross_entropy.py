@@ -7,9 +7,11 @@ Two paths compute the same thing:
 - `vocab_parallel_cross_entropy(logits, ...)`: plain torch on this shard's logits for all rows;
   the reference the fused path is tested against;
 - `fused_vocab_parallel_linear_cross_entropy(hidden, weight, bias, ...)`: the output projection
-  fused with the loss, chunked over rows so that logits for all rows never exist
-  (megatron_rembert.kernels.cross_entropy; Triton on GPU). The collectives are injected here,
-  so the kernel module stays free of process groups.
+  fused with the loss, chunked over rows so that logits for all rows exist only within the
+  kept-logits budget (megatron_rembert.kernels.cross_entropy; Triton on GPU). The collectives
+  are injected here, so the kernel module stays free of process groups.
+Both run at static shapes (no host sync): every row is computed, and rows with weight 0 are
+masked with `torch.where` to loss 0, gradient 0, never correct, whatever their target id.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def _reduce_sum(t: torch.Tensor) -> None:
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, vocab_start: int, n_valid: int):
+    def forward(ctx, logits, targets, weights, vocab_start: int, n_valid: int):
         logits = logits.to(torch.float32, copy=True)  # N x V_local, a private copy to overwrite
         v_local = logits.shape[1]
         if n_valid < v_local:
@@ -39,8 +41,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         row_max = logits.max(dim=1).values  # N
         _reduce_max(row_max)
         logits -= row_max.unsqueeze(1)  # shifted logits: <= 0, the global max at 0
+        active = weights != 0  # N
         local_target = targets - vocab_start  # N
-        in_shard = (local_target >= 0) & (local_target < n_valid)  # N
+        in_shard = active & (local_target >= 0) & (local_target < n_valid)  # N
         local_target = local_target.clamp(0, v_local - 1)
         rows = torch.arange(logits.shape[0], device=logits.device)
         target_logit = torch.where(in_shard, logits[rows, local_target], 0.0)  # N
@@ -48,44 +51,55 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         stats = torch.stack([exp.sum(dim=1), target_logit])  # 2 x N
         _reduce_sum(stats)
         sum_exp, target_logit = stats
-        losses = torch.log(sum_exp) - target_logit  # N
-        correct = target_logit >= 0  # the target holds the global max
+        losses = torch.where(active, torch.log(sum_exp) - target_logit, 0.0)  # N
+        correct = active & (target_logit >= 0)  # the target holds the global max
         exp /= sum_exp.unsqueeze(1)  # softmax, N x V_local
-        ctx.save_for_backward(exp, local_target, in_shard)
+        ctx.save_for_backward(exp, local_target, in_shard, active)
         ctx.mark_non_differentiable(correct)
         return losses, correct
 
     @staticmethod
     def backward(ctx, grad_losses, _grad_correct):
-        softmax, local_target, in_shard = ctx.saved_tensors
+        softmax, local_target, in_shard, active = ctx.saved_tensors
         grad = softmax.clone()  # N x V_local
         rows = torch.arange(grad.shape[0], device=grad.device)
         grad[rows, local_target] -= in_shard.float()
         grad *= grad_losses.unsqueeze(1)
-        return grad, None, None, None
+        grad = torch.where(active.unsqueeze(1), grad, 0.0)  # weight-0 rows: exactly 0
+        return grad, None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int,
-                                 n_valid: int) -> tuple[torch.Tensor, torch.Tensor]:
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
+                                 weights: torch.Tensor, vocab_start: int, n_valid: int
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy over the full (sharded) vocabulary from this rank's logits.
 
     logits: N x V_local (columns vocab_start .. vocab_start + V_local of the padded vocabulary;
-    columns >= n_valid are padding); targets: N global ids. Returns (losses N fp32, correct N
-    bool: the target has the highest logit). The gradient w.r.t. logits is this shard's part.
+    columns >= n_valid are padding); targets: N global ids; weights: N (rows with 0 give loss
+    0, gradient 0, never correct; their targets may be any id). Returns (losses N fp32,
+    correct N bool: the target has the highest logit). The gradient w.r.t. logits is this
+    shard's part.
     """
-    return _VocabParallelCrossEntropy.apply(logits, targets, vocab_start, n_valid)
+    return _VocabParallelCrossEntropy.apply(logits, targets, weights, vocab_start, n_valid)
 
 
 def fused_vocab_parallel_linear_cross_entropy(
         hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         targets: torch.Tensor, weights: torch.Tensor, vocab_start: int, n_valid: int,
-        chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        chunk_size: int | None = None, keep_logits_gib: float = 0.0,
+        main_grads: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Output projection + cross-entropy for this vocabulary shard, without holding all logits.
 
     hidden: N x E (identical on the TP ranks; its gradient here is this shard's part, so the
     caller wraps it in `copy_to_tp`); weight: V_local x E; bias: V_local; targets: N global ids;
-    weights: N (rows with 0 are skipped). Returns (losses N fp32, correct N bool).
+    weights: N (rows with 0 give loss 0, gradient 0, never correct). chunk_size: most rows per
+    chunk (None: the device's tiling); keep_logits_gib: GiB of forward logits kept for
+    backward instead of recomputed (see `linear_cross_entropy`); main_grads: fp32 buffers that
+    backward adds grad_weight / grad_bias into instead of returning them. Returns (losses N
+    fp32, correct N bool).
     """
     return linear_cross_entropy(hidden, weight, bias, targets, weights, vocab_start=vocab_start,
                                 n_valid=n_valid, reduce_max=_reduce_max, reduce_sum=_reduce_sum,
-                                chunk_size=chunk_size)
+                                chunk_size=chunk_size, keep_logits_gib=keep_logits_gib,
+                                main_grads=main_grads)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
@@ -22,19 +22,39 @@ from megatron_rembert.parallel.layout import Layout, layout_rank
 
 @dataclass
 class ParallelState:
-    """The groups of this rank, beside its sizes and ranks (copied from the Layout)."""
+    """The process groups of this rank; its sizes and ranks are its layout's (read through,
+    never copied)."""
 
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    tp_rank: int = 0
-    pp_rank: int = 0
-    dp_rank: int = 0
+    layout: Layout = field(default_factory=Layout)
     tp_group: object = None
     pp_group: object = None
     dp_group: object = None
     # Ranks of the whole model replica (tp x pp) this rank belongs to.
     model_group: object = None
+
+    @property
+    def tp(self) -> int:
+        return self.layout.tp
+
+    @property
+    def pp(self) -> int:
+        return self.layout.pp
+
+    @property
+    def dp(self) -> int:
+        return self.layout.dp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.layout.tp_rank
+
+    @property
+    def pp_rank(self) -> int:
+        return self.layout.pp_rank
+
+    @property
+    def dp_rank(self) -> int:
+        return self.layout.dp_rank
 
 
 _STATE = ParallelState()
@@ -53,8 +73,7 @@ def initialize_model_parallel(layout: Layout) -> ParallelState:
         _STATE = ParallelState()
         return _STATE
     tp, pp, dp = layout.tp, layout.pp, layout.dp
-    state = ParallelState(tp=tp, pp=pp, dp=dp, tp_rank=layout.tp_rank, pp_rank=layout.pp_rank,
-                          dp_rank=layout.dp_rank)
+    state = ParallelState(layout)
     # new_group is collective: every rank creates every group, in the same order.
     for p in range(pp):
         for d in range(dp):
@@ -97,7 +116,7 @@ def offline(tp: int, tp_rank: int = 0) -> Iterator[ParallelState]:
     """Act as TP rank `tp_rank` of `tp` in this process, without process groups: for building
     a model's shapes offline (checkpoint conversion). Restores the previous state on exit."""
     global _STATE
-    old, _STATE = _STATE, ParallelState(tp=tp, tp_rank=tp_rank)
+    old, _STATE = _STATE, ParallelState(Layout(tp=tp, rank=tp_rank))
     try:
         yield _STATE
     finally:

@@ -1,8 +1,8 @@
 """The DeepSpeed engine around our model, and one training step over a global batch.
 
 pp = 1: the plain model under DeepSpeed's standard engine (ZeRO 0, 1 or 2).
-pp > 1: a `PipelineModule` (1F1B) whose stages are balanced by training FLOPs
-(`training.estimate.stage_plan`; `Trainer.stage_boundaries` records the split).
+pp > 1: a `PipelineModule` (1F1B) split at the run plan's stage boundaries (balanced by
+training FLOPs; training/plan.py).
 
 Loss normalisation is layout-independent: the gradient is that of
     sum of per-token losses over the global batch / number of real masked tokens in it,
@@ -36,15 +36,14 @@ from megatron_rembert.model.transformer import TransformerLayer
 from megatron_rembert.parallel import comm, state
 from megatron_rembert.parallel.fp8 import enable_fp8
 from megatron_rembert.parallel.layers import init_weights, is_tp_sharded
-from megatron_rembert.parallel.layout import Layout
 from megatron_rembert.parallel.random import checkpoint_safe
 from megatron_rembert.run_config import Config
 from megatron_rembert.training import deepspeed_private
-from megatron_rembert.training.estimate import stage_plan
 from megatron_rembert.training.hang import POSITION
 from megatron_rembert.training.lamb import Lamb
 from megatron_rembert.training.main_grads import MainGradients, uses_bf16_optimizer
 from megatron_rembert.training.optim import build_optimizer, build_scheduler, deepspeed_config
+from megatron_rembert.training.plan import RunPlan
 
 
 @dataclass
@@ -84,14 +83,14 @@ def _recompute(function, *args):
     return checkpoint(checkpoint_safe(function), *args, use_reentrant=False)
 
 
-def _build_pipeline(config: Config, layout: Layout):
+def _build_pipeline(config: Config, plan: RunPlan):
     from deepspeed.pipe import LayerSpec
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-    # Our stage boundaries (balanced by training FLOPs, the same on every rank) instead of
-    # DeepSpeed's methods, which balance parameters or layer counts.
-    module_class = deepspeed_private.pipeline_module_with_boundaries(
-        stage_plan(config, layout).boundaries)
+    # The plan's stage boundaries (balanced by training FLOPs, the same on every rank) instead
+    # of DeepSpeed's methods, which balance parameters or layer counts.
+    layout = plan.layout
+    module_class = deepspeed_private.pipeline_module_with_boundaries(plan.stage_boundaries)
     topology = PipeModelDataParallelTopology(num_pp=layout.pp, num_mp=layout.tp, num_dp=layout.dp)
     specs = [LayerSpec(cls, *args) for cls, args in pipeline_layer_builders(config.model)]
     module = module_class(
@@ -111,18 +110,14 @@ class Trainer:
     collective goes through `parallel.comm`.
     """
 
-    def __init__(self, config: Config, layout: Layout, device: torch.device):
+    def __init__(self, config: Config, plan: RunPlan, device: torch.device):
         import deepspeed
 
         deepspeed_private.check_private_names()
-        self.config, self.layout, self.device = config, layout, device
-        self.pipeline = layout.pp > 1
-        # Stage i owns pipeline layers [b_i, b_i+1): the checkpoint metadata records it, since
-        # each stage's optimizer state depends on it (None for pp = 1).
-        self.stage_boundaries: list[int] | None = None
+        self.config, self.layout, self.device = config, plan.layout, device
+        self.pipeline = plan.layout.pp > 1
         if self.pipeline:
-            model = _build_pipeline(config, layout)
-            self.stage_boundaries = list(model.parts)
+            model = _build_pipeline(config, plan)
         else:
             model = RemBertForPreTraining(config.model)
             model.init_weights(config.train.seed)
@@ -131,8 +126,8 @@ class Trainer:
             enable_fp8(m for m in model.modules() if isinstance(m, TransformerLayer))
         model.to(device)
         optimizer = build_optimizer(model, config)
-        scheduler = build_scheduler(optimizer, config)
-        self.ds_config = deepspeed_config(config, layout)
+        scheduler = build_scheduler(optimizer, plan.lr)
+        self.ds_config = deepspeed_config(config, plan.layout)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config,
             mpu=None if self.pipeline else state.DeepSpeedMPU())

@@ -12,9 +12,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_rembert.checkpoint import folder as protocol
+from megatron_rembert.checkpoint import CheckpointError, resume
 from megatron_rembert.checkpoint.lock import SaveDirLock
-from megatron_rembert.config import EXECUTION_FIELDS, ConfigError
+from megatron_rembert.checkpoint.step_folder import StepFolder, find_latest, roll_back
+from megatron_rembert.config import ConfigError, check_choice
 from megatron_rembert.data.loader import build_pretraining_loader, build_validation_set
 from megatron_rembert.data.shards import ShardDataset
 from megatron_rembert.fs import sha256_file
@@ -22,9 +23,8 @@ from megatron_rembert.model.sizes import flops_per_token
 from megatron_rembert.parallel import comm, state
 from megatron_rembert.parallel import random as tp_random
 from megatron_rembert.parallel.layout import Layout
-from megatron_rembert.run_config import Config, validate_config
+from megatron_rembert.run_config import CHOICES, Config
 from megatron_rembert.training import checkpoint as ckpt
-from megatron_rembert.training.estimate import stage_plan
 from megatron_rembert.training.hang import POSITION, Watchdog, describe, is_collective_failure
 from megatron_rembert.training.metrics import (
     MetricsLogger,
@@ -33,6 +33,8 @@ from megatron_rembert.training.metrics import (
     memory_gib,
     peak_flops,
 )
+from megatron_rembert.training.optim import lr_lambda
+from megatron_rembert.training.plan import RunPlan
 from megatron_rembert.training.signals import StopFlag
 
 
@@ -48,8 +50,7 @@ def setup_distributed(timeout_minutes: float = 10.0, backend: str = "auto"
     gloo allows (`backend`: auto = nccl on GPUs, gloo on CPUs)."""
     import deepspeed
 
-    if backend not in ("auto", "nccl", "gloo"):
-        raise ConfigError(f"parallel.backend={backend!r}: expected auto, nccl or gloo")
+    check_choice("parallel.backend", backend, CHOICES["parallel.backend"])  # before the plan
     cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = (torch.device("cuda", local_rank % torch.cuda.device_count()) if cuda
@@ -81,13 +82,12 @@ def setup_distributed(timeout_minutes: float = 10.0, backend: str = "auto"
 
 
 def check_inputs(config: Config, world_size: int, device: torch.device, rank: int = 0
-                 ) -> tuple[Layout, str | None]:
-    """Every cheap check before heavy work: layout, data folder, tokenizer, vocabulary (the
-    one place the model's vocabulary is compared with the dataset's). Returns this rank's
-    layout and the tokenizer's sha256."""
-    layout = validate_config(config, world_size, rank)
-    if layout.pp > 1:
-        stage_plan(config, layout)  # a stage memory cap no split meets fails here, not later
+                 ) -> tuple[RunPlan, str | None]:
+    """Every cheap check before heavy work: the run plan (config, layout, stage split), data
+    folder, tokenizer, vocabulary (the one place the model's vocabulary is compared with the
+    dataset's). Returns this rank's run plan, built here once, and the tokenizer's sha256."""
+    plan = RunPlan.build(config, world_size, rank)
+    if plan.layout.pp > 1:
         if device.type == "cuda" and config.parallel.backend == "gloo":
             raise ConfigError("parallel.backend=gloo with parallel.pp>1 on GPUs: gloo's "
                               "send/recv between pipeline stages take CPU tensors only (a "
@@ -135,14 +135,16 @@ def check_inputs(config: Config, world_size: int, device: torch.device, rank: in
             f"data.path={data.path} was made with a tokenizer of {dataset.vocab_size} pieces, "
             f"model.vocab_size={config.model.vocab_size}; set model.vocab_size="
             f"{dataset.vocab_size} or use the matching dataset{hint}")
-    return layout, sha
+    return plan, sha
 
 
-def _meta(config: Config, sha: str | None, layout: Layout) -> dict:
+def _meta(config: Config, sha: str | None, plan: RunPlan) -> dict:
+    """What every checkpoint of this run records beside its step. `config`: the settings as
+    given (parallel.* included, to reproduce the run); `layout` and `stage_boundaries`: what
+    the run resolved them to (how the files are cut: what a resume and the readers compare)."""
     return {"config": config.to_dict(), "tokenizer_sha256": sha,
             "dataset_sha256": sha256_file(Path(config.data.path, "manifest.json")),
-            "layout": layout.sizes(),
-            "stage_boundaries": stage_plan(config, layout).boundaries if layout.pp > 1 else None}
+            "layout": plan.layout.sizes(), "stage_boundaries": plan.stage_boundaries}
 
 
 @contextmanager
@@ -150,31 +152,25 @@ def _save_dir_locked(config: Config) -> Iterator[None]:
     """Rank 0 locks train.save_dir (which also proves it writable) before any heavy work;
     every rank learns whether that worked."""
     lock = SaveDirLock(config.train.save_dir)
-    error = None
-    if comm.rank() == 0:
-        try:
+    with comm.agree_or_raise(CheckpointError, lambda error, ranks: error or CheckpointError(
+            f"train.save_dir={config.train.save_dir}: rank 0 could not lock it (its error says "
+            "why)")):
+        if comm.rank() == 0:
             lock.acquire()
-        except ckpt.CheckpointError as err:
-            error = err
-    (failed,) = comm.all_reduce_values([0.0 if error is None else 1.0])
-    if error is not None:
-        raise error
-    if failed:
-        raise ckpt.CheckpointError(f"train.save_dir={config.train.save_dir}: rank 0 could not "
-                                   "lock it (its error says why)")
     try:
         yield
     finally:
         lock.release()
 
 
-def _find_resume(config: Config, meta_now: dict, layout: Layout) -> tuple[Path | None, str]:
-    """The folder to resume from (after a roll-back to train.resume_from) and how it loads at
-    this run's layout (training/checkpoint.check_layout), checked before the model is built."""
+def _find_resume(config: Config, meta_now: dict, layout: Layout
+                 ) -> tuple[StepFolder | None, str]:
+    """The checkpoint to resume from (after a roll-back to train.resume_from) and how it loads
+    at this run's layout (checkpoint.resume.check_resume), checked before the model is built."""
     save_dir = Path(config.train.save_dir)
     if config.train.resume_from:
         if comm.rank() == 0:
-            moved = protocol.roll_back(save_dir, Path(config.train.resume_from))
+            moved = roll_back(save_dir, Path(config.train.resume_from))
             if moved is None:
                 print(f"train.resume_from={config.train.resume_from}: rolled back before; "
                       "resuming from 'latest'", flush=True)
@@ -182,30 +178,14 @@ def _find_resume(config: Config, meta_now: dict, layout: Layout) -> tuple[Path |
                 print(f"rolled back to {config.train.resume_from}: moved "
                       f"{', '.join(p.name for p in moved)} into {moved[0].parent}", flush=True)
         comm.barrier()
-    folder = ckpt.find_latest(save_dir)
-    if folder is None:
+    latest = find_latest(save_dir)
+    if latest is None:
         return None, "same"
-    meta = ckpt.read_meta(folder)
-    old = meta["config"]["model"]
-    new = meta_now["config"]["model"]
-    changed = sorted(k for k in new if k not in (*EXECUTION_FIELDS, "preset")
-                     and old.get(k) != new[k])
-    if changed:
-        raise ckpt.CheckpointError(
-            f"{folder}: the checkpoint's model differs from the config in {changed}; resume "
-            "with the same model or use a different train.save_dir")
-    for key, flag in (("tokenizer_sha256", "data.tokenizer"), ("dataset_sha256", "data.path")):
-        saved, now = meta.get(key), meta_now.get(key)
-        if saved and now and saved != now:
-            raise ckpt.CheckpointError(
-                f"{folder} was trained with {key} {saved[:12]}..., {flag}="
-                f"{getattr(config.data, flag.split('.')[1])} has {now[:12]}...; resume with the "
-                f"checkpoint's {flag} or use a different train.save_dir")
-    how = ckpt.check_layout(folder, meta, layout, config, meta_now["stage_boundaries"])
-    if comm.rank() == 0:  # another global batch size or LR schedule: allowed, said once
-        for notice in ckpt.resume_notices(folder, meta, config):
+    how, notices = resume.check_resume(latest, config, meta_now, layout, lr_lambda)
+    if comm.rank() == 0:  # another global batch size, LR schedule or stage split: said once
+        for notice in notices:
             print(notice, flush=True)
-    return folder, how
+    return latest, how
 
 
 def train(config: Config, stop: StopFlag | None = None) -> dict:
@@ -248,13 +228,14 @@ def _train(config: Config, rank: int, world: int, device: torch.device, stop: St
     from megatron_rembert.training.engine import Trainer
 
     POSITION.set(step=0, phase="start-up")
-    layout, sha = check_inputs(config, world, device, rank)
-    meta = _meta(config, sha, layout)
+    plan, sha = check_inputs(config, world, device, rank)
+    layout = plan.layout
+    meta = _meta(config, sha, plan)
     resume_folder, how = _find_resume(config, meta, layout)
     state.initialize_model_parallel(layout)
     log = MetricsLogger(config.train.log_dir, enabled=rank == 0, run_config=config.to_dict(),
                         wandb_project=config.train.wandb_project)
-    trainer = Trainer(config, layout, device)
+    trainer = Trainer(config, plan, device)
     # Dropout streams seeded after the model is built: building draws from the default stream
     # (torch's own initialisation, overwritten by ours), as many numbers as the modules this
     # rank happens to hold. Resuming restores the saved streams.
@@ -264,12 +245,13 @@ def _train(config: Config, rank: int, world: int, device: torch.device, stop: St
     if resume_folder is not None:
         resumed = ckpt.load_checkpoint(trainer.engine, resume_folder, how)
         step = resumed.step
-        consumed = ckpt.data_position(resumed.consumed_samples, config.train.global_batch_size)
-        log.console(f"resumed from {resume_folder} (step {step}, {consumed} samples consumed)")
+        consumed = resume.data_position(resumed.consumed_samples,
+                                        config.train.global_batch_size)
+        log.console(f"resumed from {resume_folder.path} (step {step}, {consumed} samples "
+                    "consumed)")
     train_cfg, data = config.train, config.data
-    loader = build_pretraining_loader(data, layout, seed=train_cfg.seed, tokenizer_sha256=sha,
-                                      consumed_samples=consumed, steps=train_cfg.steps,
-                                      eval_mask_prob=config.eval.mask_prob)
+    loader = build_pretraining_loader(data, layout, plan.data, seed=train_cfg.seed,
+                                      tokenizer_sha256=sha, consumed_samples=consumed)
     POSITION.set(phase="signal agreement")
     if stop.agreed():  # a stop request during start-up: nothing new to save
         log.console(f"{stop.name or 'a signal to another rank'} during start-up: nothing new "
@@ -313,7 +295,7 @@ def _train(config: Config, rank: int, world: int, device: torch.device, stop: St
             log.console(format_line(step, train_cfg.steps, last, *clock.times(step)))
         if train_cfg.eval_interval and step % train_cfg.eval_interval == 0:
             POSITION.set(phase="validation")
-            evaluate(trainer, config, sha, step, log)
+            evaluate(trainer, config, plan, sha, step, log)
         POSITION.set(phase="signal agreement")
         stopping = stop.agreed()
         periodic = train_cfg.save_interval and step % train_cfg.save_interval == 0
@@ -334,16 +316,16 @@ def _train(config: Config, rank: int, world: int, device: torch.device, stop: St
             "save_dir": train_cfg.save_dir, "log_dir": train_cfg.log_dir}
 
 
-def evaluate(trainer, config: Config, sha: str | None, step: int, log: MetricsLogger) -> None:
+def evaluate(trainer, config: Config, plan: RunPlan, sha: str | None, step: int,
+             log: MetricsLogger) -> None:
     """Loss and accuracy on the fixed validation set, per language and overall: token-weighted
     (all masked tokens together) and language-averaged (the mean of the languages' numbers).
     Each language is evaluated in whole global batches (padding rows carry no weight)."""
-    layout, ev = trainer.layout, config.eval
-    per_language = min(ev.sequences_per_language,
+    layout = plan.layout
+    per_language = min(config.eval.sequences_per_language,
                        config.train.eval_batches * layout.global_batch_size)
-    valid = build_validation_set(config.data, layout, seed=config.train.seed,
-                                 tokenizer_sha256=sha, per_language=per_language,
-                                 mask_prob=ev.mask_prob, steps=config.train.steps)
+    valid = build_validation_set(config.data, layout, plan.data, seed=config.train.seed,
+                                 per_language=per_language, tokenizer_sha256=sha)
     languages = {}
     for index, lang in enumerate(valid.languages):
         batches = valid.batches(index)

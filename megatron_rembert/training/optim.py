@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -120,32 +121,56 @@ def build_optimizer(model: nn.Module, config: Config) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=optim.lr, betas=betas, eps=optim.eps, fused=True)
 
 
-def lr_lambda(config: Config):
-    """Multiplier of optim.lr at a step: linear warm-up, the peak rate until
-    optim.decay_start_step (0: right after warm-up; later: warmup-stable-decay, Hu et al. 2024,
-    "MiniCPM"), then the chosen decay to min_lr at train.steps. 1-sqrt: 1 - sqrt(progress), the
-    cooldown of Hägele et al. 2024 ("Scaling laws and compute-optimal training beyond fixed
-    training durations")."""
-    optim, total = config.optim, config.train.steps
-    floor = optim.min_lr / optim.lr if optim.lr else 0.0
-    decay_start = max(optim.warmup_steps, optim.decay_start_step)
+@dataclass(frozen=True)
+class LRSchedule:
+    """The learning rate's stretches: linear warm-up over [0, warmup_steps), the peak `lr`
+    until `decay_start` (optim.decay_start_step, 0: right after warm-up; later:
+    warmup-stable-decay, Hu et al. 2024, "MiniCPM"), then `decay` to `min_lr` at
+    `total_steps`. 1-sqrt: 1 - sqrt(progress), the cooldown of Hägele et al. 2024 ("Scaling
+    laws and compute-optimal training beyond fixed training durations")."""
 
-    def multiplier(step: int) -> float:
-        if step < optim.warmup_steps:
-            return (step + 1) / optim.warmup_steps
-        if optim.decay == "constant":
+    lr: float
+    min_lr: float
+    warmup_steps: int
+    decay_start: int
+    total_steps: int
+    decay: str  # linear | cosine | 1-sqrt | constant
+
+    @classmethod
+    def of(cls, config: Config) -> LRSchedule:
+        optim = config.optim
+        return cls(lr=optim.lr, min_lr=optim.min_lr, warmup_steps=optim.warmup_steps,
+                   decay_start=max(optim.warmup_steps, optim.decay_start_step),
+                   total_steps=config.train.steps, decay=optim.decay)
+
+    def multiplier(self, step: int) -> float:
+        """Multiplier of `lr` at a step."""
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.decay == "constant":
             return 1.0
-        progress = max(0.0, min(1.0, (step - decay_start) / max(1, total - decay_start)))
-        if optim.decay == "linear":
+        floor = self.min_lr / self.lr if self.lr else 0.0
+        progress = max(0.0, min(1.0, (step - self.decay_start)
+                                / max(1, self.total_steps - self.decay_start)))
+        if self.decay == "linear":
             shape = 1.0 - progress
-        elif optim.decay == "1-sqrt":
+        elif self.decay == "1-sqrt":
             shape = 1.0 - math.sqrt(progress)
         else:
             shape = 0.5 * (1.0 + math.cos(math.pi * progress))
         return floor + (1.0 - floor) * shape
 
-    return multiplier
+
+def lr_lambda(config: Config):
+    """The multiplier of optim.lr by step of `config`'s schedule (`LRSchedule`), for a config
+    other than the run's own (a checkpoint's, when a resume changes the schedule)."""
+    return LRSchedule.of(config).multiplier
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, config: Config):
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
+def build_scheduler(optimizer: torch.optim.Optimizer, schedule: LRSchedule):
+    def multiplier(step: int) -> float:
+        # A plain function, as LambdaLR keeps it out of its state_dict (a bound method's
+        # attributes would be saved into every checkpoint).
+        return schedule.multiplier(step)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)

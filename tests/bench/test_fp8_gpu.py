@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from megatron_rembert.run_config import load_config
+from tests.bench import bench_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "fp8_gpu.py"
@@ -102,3 +103,12 @@ def test_help_and_no_gpu_message(bench, monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_:
         bench.main()
     assert "needs a CUDA GPU" in str(exit_.value.code)
+
+
+def test_table_figures_are_what_the_gpu_table_reads(bench):
+    results = {False: {"tokens_per_s": 100.0, "tflops": 400.0},
+               True: {"tokens_per_s": 130.0, "tflops": 520.0}}
+    figures = bench.table_figures(results, 989e12, [[7.0, 4.0], [7.0, 4.2]])
+    assert figures.keys() == bench_script("gpu_table").SCHEMA["fp8"]
+    assert figures["fp8_over_bf16"] == pytest.approx(1.3)
+    assert figures["loss_ratio"] == pytest.approx(1.05)

@@ -48,17 +48,20 @@ def integrity_worker(rank, world_size, root: str) -> dict:
     """Train one step at tp = pp = dp = 1 (ZeRO-1), save it, then load damaged copies."""
     import deepspeed
 
+    from megatron_rembert.checkpoint.step_folder import StepFolder
     from megatron_rembert.parallel import state
-    from megatron_rembert.run_config import build_config, validate_config
+    from megatron_rembert.run_config import build_config
     from megatron_rembert.training import checkpoint as ckpt
     from megatron_rembert.training.engine import Trainer
+    from megatron_rembert.training.plan import RunPlan
 
     root = Path(root)
     deepspeed.init_distributed(dist_backend="gloo")
     config = build_config({"model": {"preset": "tiny"}}, overrides(1, 1, 1))
-    layout = validate_config(config, world_size)
+    plan = RunPlan.build(config, world_size)
+    layout = plan.layout
     state.initialize_model_parallel(layout)
-    trainer = Trainer(config, layout, torch.device("cpu"))
+    trainer = Trainer(config, plan, torch.device("cpu"))
     trainer.train_step(micro_batches(0, GLOBAL_BATCH, MICRO, 0, 1, config.model.vocab_size))
     meta = {"config": config.to_dict(), "tokenizer_sha256": None,
             "layout": {"tp": 1, "pp": 1, "dp": 1}}
@@ -66,11 +69,13 @@ def integrity_worker(rank, world_size, root: str) -> dict:
     good = ckpt.save_checkpoint(trainer.engine, save_dir, 1, GLOBAL_BATCH, meta, keep_last=5)
 
     def load(folder):
-        return lambda: ckpt.load_checkpoint(trainer.engine, folder, how="same")
+        return lambda: ckpt.load_checkpoint(trainer.engine, StepFolder.open(folder),
+                                            how="same")
 
     out = {"good": str(good)}
     old = _copy(good, root, "old", old_format=True)
-    out["old_step"] = ckpt.load_checkpoint(trainer.engine, old, how="same").step
+    out["old_step"] = ckpt.load_checkpoint(trainer.engine, StepFolder.open(old),
+                                           how="same").step
     for name, old_format, file in (("old_evil_model", True, "mp_rank_00_model_states.pt"),
                                    ("new_evil_optim", False,
                                     "zero_pp_rank_0_mp_rank_00_optim_states.pt")):

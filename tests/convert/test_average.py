@@ -6,9 +6,9 @@ import shutil
 import pytest
 import torch
 
-from megatron_rembert.checkpoint.folder import write_manifest
 from megatron_rembert.checkpoint.portable import PortableReader
 from megatron_rembert.checkpoint.reader import CheckpointReader
+from megatron_rembert.checkpoint.step_folder import StepFolder, write_manifest
 from megatron_rembert.config import get_preset
 from megatron_rembert.convert.__main__ import main
 from tests.convert.workers import GLOBAL_BATCH, MICRO, overrides
@@ -27,16 +27,20 @@ def train_average_resume_worker(rank, world_size, root: str, batch: dict) -> dic
     loss of `batch` (one global batch) and the LRs of the first step of both trainers."""
     import deepspeed
 
+    from megatron_rembert.checkpoint.resume import check_layout
+    from megatron_rembert.checkpoint.step_folder import find_latest
     from megatron_rembert.parallel import comm, state
-    from megatron_rembert.run_config import build_config, validate_config
+    from megatron_rembert.run_config import build_config
     from megatron_rembert.training import checkpoint as ckpt
     from megatron_rembert.training.engine import Trainer
+    from megatron_rembert.training.plan import RunPlan
 
     deepspeed.init_distributed(dist_backend="gloo")
     config = build_config({"model": TINY}, overrides(2, 1))
-    layout = validate_config(config, world_size, rank)
+    plan = RunPlan.build(config, world_size, rank)
+    layout = plan.layout
     s = state.initialize_model_parallel(layout)
-    trainer = Trainer(config, layout, torch.device("cpu"))
+    trainer = Trainer(config, plan, torch.device("cpu"))
     meta = {"config": config.to_dict(), "tokenizer_sha256": None, "layout": layout.sizes()}
     lrs = []
     for step in range(2):
@@ -49,10 +53,9 @@ def train_average_resume_worker(rank, world_size, root: str, batch: dict) -> dic
         assert main(["average", "--checkpoints", f"{root}/run/step_00000002",
                      f"{root}/run/step_00000001", "--out", f"{root}/avg"]) == 0
     comm.barrier()
-    trainer = Trainer(config, layout, torch.device("cpu"))
-    folder = ckpt.find_latest(f"{root}/avg")
-    resumed = ckpt.load_checkpoint(trainer.engine, folder,
-                                   ckpt.check_layout(folder, ckpt.read_meta(folder), layout))
+    trainer = Trainer(config, plan, torch.device("cpu"))
+    folder = find_latest(f"{root}/avg")
+    resumed = ckpt.load_checkpoint(trainer.engine, folder, check_layout(folder, layout))
     micro = split_micro(batch, MICRO)
     loss = trainer.eval_step(micro)[0]
     resumed_lr = trainer.train_step(micro_batches(resumed.step, GLOBAL_BATCH, MICRO, s.dp_rank,
@@ -83,7 +86,7 @@ def run(tmp_path_factory):
 
 def _weights(folder) -> dict[str, torch.Tensor]:
     """Full fp32 master weights by name."""
-    with CheckpointReader(folder) as reader:
+    with CheckpointReader(StepFolder.open(folder)) as reader:
         if reader.portable:
             return {s.name: reader.full_weight(s) for s in reader.specs}
         return {s.name: reader.full_state(s, "fp32") for s in reader.specs}
@@ -161,6 +164,9 @@ def test_bad_inputs_are_refused_before_writing(run, tmp_path, capsys):
         write_manifest(copy, {})
         copies.append(str(copy))
     _fails(["average", "--checkpoints", *copies, "--out", out], capsys, "tokenizer")
+    # A save folder is read through its `latest` (as everywhere): one without it is refused.
+    _fails(["average", "--checkpoints", str(tmp_path / "tok_a"), step, "--out", out], capsys,
+           f"{tmp_path / 'tok_a'}: a save folder without 'latest'")
     assert not (tmp_path / "avg").exists()
 
 

@@ -42,8 +42,8 @@ def test_from_hf_to_hf_round_trip_and_logits(tmp_path):
     for name, tensor in ref.items():
         assert torch.equal(got[name], tensor), name
     # Our trainer (TP=1) loads the from-hf checkpoint: its logits equal transformers'.
+    from megatron_rembert.checkpoint.step_folder import read_meta
     from megatron_rembert.model.rembert import RemBertForPreTraining
-    from megatron_rembert.training.checkpoint import read_meta
 
     config = small_config()
     ours = RemBertForPreTraining(config).eval()
@@ -62,15 +62,15 @@ def test_from_hf_to_hf_round_trip_and_logits(tmp_path):
 
 def _load_into_module(model, folder):
     """Through the trainer's loader, with a plain module standing in for the engine."""
-    from megatron_rembert.training.checkpoint import read_meta
-    from megatron_rembert.training.portable import load_portable
+    from megatron_rembert.checkpoint.step_folder import StepFolder
+    from megatron_rembert.training.full_tensors import load_portable
 
     class Engine:
         module = model
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
         lr_scheduler = None
 
-    load_portable(Engine, folder, read_meta(folder))
+    load_portable(Engine, StepFolder.open(folder))
 
 
 @pytest.mark.multiprocess

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from tests.training.helpers import SEQ, micro_batches, split_micro
@@ -24,18 +22,21 @@ def train_worker(rank, world_size, model: dict, over: list[str], load: str | Non
     starting at `first_step`, saving after global step `save[1]` into `save[0]`."""
     import deepspeed
 
+    from megatron_rembert.checkpoint.step_folder import StepFolder
     from megatron_rembert.parallel import state
-    from megatron_rembert.run_config import build_config, validate_config
+    from megatron_rembert.run_config import build_config
     from megatron_rembert.training import checkpoint as ckpt
     from megatron_rembert.training.engine import Trainer
+    from megatron_rembert.training.plan import RunPlan
 
     deepspeed.init_distributed(dist_backend="gloo")
     config = build_config({"model": model}, over)
-    layout = validate_config(config, world_size, rank)
+    plan = RunPlan.build(config, world_size, rank)
+    layout = plan.layout
     s = state.initialize_model_parallel(layout)
-    trainer = Trainer(config, layout, torch.device("cpu"))
+    trainer = Trainer(config, plan, torch.device("cpu"))
     if load:
-        resumed = ckpt.load_checkpoint(trainer.engine, Path(load), how="full")
+        resumed = ckpt.load_checkpoint(trainer.engine, StepFolder.open(load), how="full")
         assert resumed.step == first_step
     losses = []
     for step in range(first_step, first_step + steps):
@@ -55,16 +56,19 @@ def eval_worker(rank, world_size, model: dict, over: list[str], load: str, batch
     """Mean MLM loss of `batch` (one global batch) after loading `load`."""
     import deepspeed
 
+    from megatron_rembert.checkpoint.step_folder import StepFolder
     from megatron_rembert.parallel import state
-    from megatron_rembert.run_config import build_config, validate_config
+    from megatron_rembert.run_config import build_config
     from megatron_rembert.training import checkpoint as ckpt
     from megatron_rembert.training.engine import Trainer
+    from megatron_rembert.training.plan import RunPlan
 
     deepspeed.init_distributed(dist_backend="gloo")
     config = build_config({"model": model}, over)
-    layout = validate_config(config, world_size, rank)
+    plan = RunPlan.build(config, world_size, rank)
+    layout = plan.layout
     state.initialize_model_parallel(layout)
-    trainer = Trainer(config, layout, torch.device("cpu"))
-    ckpt.load_checkpoint(trainer.engine, Path(load), how="full")
+    trainer = Trainer(config, plan, torch.device("cpu"))
+    ckpt.load_checkpoint(trainer.engine, StepFolder.open(load), how="full")
     micro = split_micro(batch, MICRO)
     return trainer.eval_step(micro)[0]

@@ -15,6 +15,7 @@ from megatron_rembert.data.batch import FIELDS
 from megatron_rembert.data.common import DataError
 from megatron_rembert.data.config import DataConfig
 from megatron_rembert.data.loader import build_pretraining_loader, build_validation_loader
+from megatron_rembert.data.schedule import DataPlan
 from megatron_rembert.parallel.layout import Layout
 from tests.data.conftest import set_token, shard_entries
 
@@ -26,12 +27,18 @@ def _take(data_dir, n, micro_batch_size=2, dp_rank=0, dp_size=1, whole_word_mask
                           global_batch_size=8)
     args = dict(seed=11, num_workers=0, num_micro_batches=n, return_tensors="np")
     args.update(kw)
-    return list(build_pretraining_loader(data, layout, **args))
+    return list(build_pretraining_loader(data, layout, _plan(data), **args))
+
+
+def _plan(data: DataConfig) -> DataPlan:
+    """One step's schedule (none), validation at the default rate."""
+    return DataPlan.resolve(data, 1, data.mask_prob)
 
 
 def _validation(data_dir, dp_rank):
-    return list(build_validation_loader(DataConfig(path=str(data_dir), seq_length=64),
-                                        Layout.build(2, dp_rank, micro_batch_size=2), seed=3,
+    data = DataConfig(path=str(data_dir), seq_length=64)
+    return list(build_validation_loader(data, Layout.build(2, dp_rank, micro_batch_size=2),
+                                        _plan(data), seed=3, per_language=256,
                                         return_tensors="np"))
 
 
@@ -99,14 +106,15 @@ def test_shard_checksums_checked_off_thread_before_use(dataset, tmp_path, monkey
     data = DataConfig(path=str(copy), seq_length=64)
     loader = build_pretraining_loader(data, Layout.build(1, 0, micro_batch_size=2,
                                                          global_batch_size=8),
-                                      seed=11, num_workers=0)
+                                      _plan(data), seed=11, num_workers=0)
     # The first micro-batch is held back: no sample of a shard that fails reaches the trainer.
     with pytest.raises(DataError, match=r"train-\d+\.arrow: sha256 differs from the manifest"):
         next(loader)
     # Sound validation shards pass; each file is hashed once per process, off this thread.
     for _ in range(2):
         assert len(list(build_validation_loader(data, Layout.build(1, 0, micro_batch_size=2),
-                                                seed=3, return_tensors="np")))
+                                                _plan(data), seed=3, per_language=256,
+                                                return_tensors="np")))
     assert {thread for thread, _ in hashed} == {"shard-sha256"}
     names = [name for _, name in hashed]
     assert len(names) == len(set(names)) and any("-valid-" in name for name in names)

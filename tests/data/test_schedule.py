@@ -11,7 +11,7 @@ from megatron_rembert.data.config import DataConfig
 from megatron_rembert.data.loader import build_pretraining_loader, build_validation_set
 from megatron_rembert.data.masking import MaskingConfig, mask_batch
 from megatron_rembert.data.sampler import MultilingualSampler, ScheduledSampler
-from megatron_rembert.data.schedule import Schedule
+from megatron_rembert.data.schedule import DataPlan, Schedule
 from megatron_rembert.parallel.layout import Layout
 
 ROWS, TOKENS = [50, 7, 300], [5000, 700, 30000]
@@ -81,9 +81,10 @@ SCHEDULED = dict(seq_length=64, phase_starts=[0.0, 0.5], phase_alpha=[1.0, 0.0],
 def _steps(data_dir, micro, dp_rank, dp, steps, start=0):
     data = DataConfig(path=str(data_dir), **SCHEDULED)
     layout = Layout.build(dp, dp_rank, micro_batch_size=micro, global_batch_size=8)
-    loader = build_pretraining_loader(data, layout, seed=2, num_workers=0, return_tensors="np",
+    loader = build_pretraining_loader(data, layout, DataPlan.resolve(data, steps, 0.15), seed=2,
+                                      num_workers=0, return_tensors="np",
                                       num_micro_batches=(steps - start) * layout.gas,
-                                      steps=steps, consumed_samples=8 * start)
+                                      consumed_samples=8 * start)
     batches = list(loader)
     return [{k: np.concatenate([b[k] for b in batches[i * layout.gas:(i + 1) * layout.gas]])
              for k in batches[0] if k != "unpadded"}  # a flag per micro-batch, not per row
@@ -113,7 +114,8 @@ def test_validation_set_is_stratified_and_layout_free(dataset):
     for micro, dp in ((8, 1), (2, 2), (1, 4)):
         per_rank = [build_validation_set(data, Layout.build(dp, r, micro_batch_size=micro,
                                                             global_batch_size=8),
-                                         seed=3, per_language=5)
+                                         DataPlan.resolve(data, 1, 0.15), seed=3,
+                                         per_language=5)
                     for r in range(dp)]
         seen = {}
         for lang, name in enumerate(per_rank[0].languages):
@@ -124,7 +126,8 @@ def test_validation_set_is_stratified_and_layout_free(dataset):
         sets[(micro, dp)] = seen
     first = sets[(8, 1)]
     assert all(s == first for s in sets.values())
-    counts = build_validation_set(data, Layout(micro_batch_size=8), seed=3,
+    counts = build_validation_set(data, Layout(micro_batch_size=8),
+                                  DataPlan.resolve(data, 1, 0.15), seed=3,
                                   per_language=5).dataset.rows_per_language
     assert {k: len(v) for k, v in first.items()} == {k: min(5, counts[k]) for k in first}
 

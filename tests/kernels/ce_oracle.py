@@ -5,7 +5,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-IGNORE = -100  # target of weight-0 rows in the tests: the op must never look at it
+IGNORE = -100  # the oracle's ignore_index
+
+
+def padding_targets(n: int, n_valid: int) -> torch.Tensor:
+    """Targets for n weight-0 rows: any id, since the data pipeline gives padding slots any
+    label. A valid id (whose one-hot a careless mask would subtract), -100, a padding column,
+    an id far beyond the vocabulary, in turn."""
+    choices = torch.tensor([max(n_valid - 1, 0), IGNORE, n_valid + 3, 10**9])
+    return choices[torch.arange(n) % len(choices)]
 
 # dtype -> (atol, rtol)
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (5e-3, 5e-2)}
@@ -13,11 +21,12 @@ TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (5e-3, 5e-2)}
 
 def make_inputs(n: int, e: int, v: int, n_valid: int, dtype: torch.dtype, bias: bool,
                 seed: int = 0, zero_frac: float = 0.25) -> dict:
-    """Random problem with logits of order 1; weight-0 rows carry an invalid target."""
+    """Random problem with logits of order 1; weight-0 rows carry any target id."""
     g = torch.Generator().manual_seed(seed)
     weights = (torch.rand(n, generator=g) >= zero_frac).float() * 2.0  # N, 0 or 2
     targets = torch.randint(0, max(n_valid, 1), (n,), generator=g)  # N
-    targets[weights == 0] = IGNORE
+    padding = weights == 0
+    targets[padding] = padding_targets(int(padding.sum()), n_valid)
     return dict(
         hidden=torch.randn(n, e, generator=g).to(dtype),  # N x E
         weight=(torch.randn(v, e, generator=g) / e**0.5).to(dtype),  # V x E

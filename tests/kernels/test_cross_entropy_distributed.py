@@ -1,6 +1,7 @@
 """Vocab-parallel linear_cross_entropy over 2 and 3 gloo ranks against single-process
-F.cross_entropy on the full logits. The reduce callables are built here from all_reduce,
-as `parallel/` will build them over the tensor-parallel group."""
+F.cross_entropy on the full logits, and with kept logits against the same op at TP = 1. The
+reduce callables are built here from all_reduce, as `parallel/` builds them over the
+tensor-parallel group."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ N, E = 13, 16
 
 
 def shard_worker(rank: int, world_size: int, real_vocab: int, v_pad: int, backend: str,
-                 dtype) -> dict:  # noqa: ANN001
+                 dtype, keep_rows: int) -> dict:  # noqa: ANN001
     v_local = v_pad // world_size
     inp = make_inputs(N, E, v_pad, real_vocab, dtype, bias=True, seed=7)  # same on every rank
     lo = rank * v_local
@@ -33,13 +34,17 @@ def shard_worker(rank: int, world_size: int, real_vocab: int, v_pad: int, backen
     def reduce_sum(t: torch.Tensor) -> None:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
 
+    tp = world_size > 1  # world_size 1: the same op in this process, unsharded
     losses, correct = linear_cross_entropy(
         h, w, b, inp["targets"], inp["weights"], vocab_start=lo, n_valid=n_valid,
-        reduce_max=reduce_max, reduce_sum=reduce_sum, chunk_size=4, backend=backend,
+        reduce_max=reduce_max if tp else None, reduce_sum=reduce_sum if tp else None,
+        chunk_size=4, backend=backend,
+        keep_logits_gib=keep_rows * v_local * dtype.itemsize / 2**30,
     )
     (losses * inp["grad_out"]).sum().backward()
     grad_h = h.grad.float()
-    dist.all_reduce(grad_h)  # the caller's job: sum the shards' grad_hidden contributions
+    if tp:
+        dist.all_reduce(grad_h)  # the caller's job: sum the shards' grad_hidden contributions
     out = dict(losses=losses.detach(), correct=correct, grad_h=grad_h, grad_w=w.grad,
                grad_b=b.grad)
     # numpy arrays travel by value (tensors would go through shared memory that dies with
@@ -49,17 +54,22 @@ def shard_worker(rank: int, world_size: int, real_vocab: int, v_pad: int, backen
 
 
 @pytest.mark.parametrize(
-    "world_size,real_vocab,v_pad,backend,dtype",
+    "world_size,real_vocab,v_pad,backend,dtype,keep_rows",
     [
-        (2, 290, 320, "triton", torch.float32),  # V_local 160: rank 1 has 130 valid columns
-        (3, 290, 291, "torch", torch.bfloat16),
-        (3, 150, 240, "triton", torch.float32),  # V_local 80: rank 2 is all padding
+        (2, 290, 320, "triton", torch.float32, 0),  # V_local 160: rank 1 has 130 valid columns
+        (3, 290, 291, "torch", torch.bfloat16, 0),
+        (3, 150, 240, "triton", torch.float32, 0),  # V_local 80: rank 2 is all padding
+        # kept logits: rows 0-7 of 13 (chunks 4, 3, 3, 3 -> the first two kept), then all
+        (2, 290, 320, "triton", torch.float32, 7),
+        (2, 290, 320, "torch", torch.bfloat16, 13),
     ],
 )
 def test_vocab_parallel_matches_single_process(
-    world_size: int, real_vocab: int, v_pad: int, backend: str, dtype: torch.dtype
+    world_size: int, real_vocab: int, v_pad: int, backend: str, dtype: torch.dtype,
+    keep_rows: int
 ) -> None:
-    results = run_distributed(shard_worker, world_size, real_vocab, v_pad, backend, dtype)
+    results = run_distributed(shard_worker, world_size, real_vocab, v_pad, backend, dtype,
+                              keep_rows)
     assert all(r["grad_dtype"] == str(dtype) for r in results)
     results = [{k: torch.from_numpy(v) if k not in ("n_valid", "grad_dtype") else v
                 for k, v in r.items()} for r in results]
@@ -77,3 +87,11 @@ def test_vocab_parallel_matches_single_process(
     torch.testing.assert_close(grad_w.float(), g_w.float(), atol=atol, rtol=rtol)
     torch.testing.assert_close(grad_b.float(), g_b.float(), atol=atol, rtol=rtol)
     assert (grad_w[real_vocab:] == 0).all() and (grad_b[real_vocab:] == 0).all()
+    if keep_rows:  # against the same op at TP = 1, keeping the same rows
+        one = shard_worker(0, 1, real_vocab, v_pad, backend, dtype, keep_rows)
+        torch.testing.assert_close(results[0]["losses"], torch.from_numpy(one["losses"]),
+                                   atol=atol, rtol=rtol)
+        assert torch.equal(results[0]["correct"], torch.from_numpy(one["correct"]))
+        for key, tp in (("grad_h", results[0]["grad_h"]), ("grad_w", grad_w),
+                        ("grad_b", grad_b)):
+            torch.testing.assert_close(tp, torch.from_numpy(one[key]), atol=atol, rtol=rtol)

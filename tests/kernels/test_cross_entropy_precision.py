@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_rembert.kernels import cross_entropy as ce
+from megatron_rembert.kernels import cross_entropy_tiling as tiles
 from tests.kernels.ce_oracle import make_inputs
 from tests.kernels.test_cross_entropy import run_ours
 
@@ -46,10 +46,10 @@ def test_bf16_error_does_not_grow_with_tiles(backend: str, monkeypatch: pytest.M
                                              ) -> None:
     inp = make_inputs(N, E, V, V, torch.bfloat16, bias=True, seed=11, zero_frac=0.0)
     ref = fp64_reference(inp)
-    assert ce.choose_tiling(V, E, N) == ce.Tiling(N, N, V)  # one tile
+    assert tiles.choose_tiling(V, E, N) == tiles.Tiling(N, N, V)  # one tile
     one = relative_errors(inp, ref, backend, N)
-    monkeypatch.setattr(ce, "CHUNK_ELEMENTS", MANY_BLOCK * E)  # budget of the fp32 block
-    assert ce.choose_tiling(V, E, MANY_ROWS) == ce.Tiling(MANY_ROWS, MANY_ROWS, MANY_BLOCK)
+    monkeypatch.setattr(tiles, "CHUNK_ELEMENTS", MANY_BLOCK * E)  # budget of the fp32 block
+    assert tiles.choose_tiling(V, E, MANY_ROWS) == tiles.Tiling(MANY_ROWS, MANY_ROWS, MANY_BLOCK)
     many = relative_errors(inp, ref, backend, MANY_ROWS)
     for name in ref:
         assert one[name] < BOUND and many[name] < BOUND, (name, one[name], many[name])

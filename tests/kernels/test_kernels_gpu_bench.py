@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests.bench import bench_script
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "kernels_gpu.py"
 
@@ -39,7 +41,7 @@ def run_checks(bench: ModuleType, dtype: torch.dtype) -> Any:  # noqa: ANN401 - 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_checks_pass_on_the_kernels(bench: ModuleType, dtype: torch.dtype) -> None:
     checks = run_checks(bench, dtype)
-    assert checks.total == 5 and checks.failed == []
+    assert checks.total == 6 and checks.failed == []
 
 
 def test_checks_fail_on_a_wrong_result(bench: ModuleType, monkeypatch: pytest.MonkeyPatch
@@ -54,7 +56,8 @@ def test_checks_fail_on_a_wrong_result(bench: ModuleType, monkeypatch: pytest.Mo
     monkeypatch.setattr(bench, "linear_cross_entropy", off_by_one)
     failed = set(run_checks(bench, torch.float32).failed)
     loss = "loss fp32 N=37 V=4133 n_valid=4100 E=16"
-    assert {f"{loss} vs torch reference", f"{loss} vs F.cross_entropy"} <= failed
+    assert {f"{loss} vs torch reference", f"{loss} vs F.cross_entropy",
+            f"{loss} half the logits kept vs F.cross_entropy"} <= failed
     assert not any(name.startswith("softmax") for name in failed)
 
 
@@ -102,10 +105,66 @@ def test_time_loss_runs_each_chunk_size(bench: ModuleType, monkeypatch: pytest.M
 
     monkeypatch.setattr(bench, "linear_cross_entropy", spy)
     monkeypatch.setattr(bench, "fwd_bwd_ms", one_step)
-    monkeypatch.setattr(torch, "compile", lambda fn: fn)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
     for name in ("reset_peak_memory_stats", "memory_allocated", "max_memory_allocated"):
         monkeypatch.setattr(torch.cuda, name, lambda: 0)
     bench.time_loss(torch.float32, 40, 300, 16, [0, 8, 32], device="cpu")
     assert seen == [None, 8, 32]
     out = capsys.readouterr().out
     assert "ours, 8 rows a chunk" in out and "compile" in out
+
+
+def test_head_arguments(bench: ModuleType) -> None:
+    assert bench.parse_gib("0, 1,2.5") == [0.0, 1.0, 2.5]
+    for bad in ("", "a", "-1", "inf"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bench.parse_gib(bad)
+
+
+def test_head_flops_count_the_recomputed_rows(bench: ModuleType) -> None:
+    """rembert at 16 x 77 rows on CUDA: one forward chunk; kept: 3 vocabulary GEMMs of ~1.03
+    TFLOP (the figure docs/kernels.md plans with), recomputed: 4; at 128 rows a chunk with
+    room for 500 rows, the first 4 chunks (494 rows) are kept."""
+    n, h, e, v = 1232, 1152, 1664, 250_368
+    gemm, dense = 2 * n * e * v, 3 * 2 * n * h * e
+    assert 1.02e12 < gemm < 1.03e12
+    assert bench.head_flops(n, h, e, v, 0, 1.0, 2, True) == dense + 3 * gemm
+    assert bench.head_flops(n, h, e, v, 0, 0.0, 2, True) == dense + 4 * gemm
+    keep = 500 * v * 2 / 2**30
+    assert bench.head_flops(n, h, e, v, 128, keep, 2, True) == dense + 2 * e * v * (
+        3 * n + n - 494)
+
+
+def test_time_head_runs_each_chunk_and_keep(bench: ModuleType, monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture) -> None:
+    """The head timing on CPU with the CUDA-only calls stubbed, at the tiny preset: every
+    (--head-chunks, --head-keep) pair reaches the fused loss through the MLM head, each run
+    is a real forward + backward of the head, and every line says how many layers it is."""
+    from megatron_rembert.parallel import cross_entropy as parallel_ce
+
+    seen, real = [], parallel_ce.linear_cross_entropy
+
+    def spy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        seen.append((kwargs["chunk_size"], kwargs["keep_logits_gib"]))
+        return real(*args, **kwargs)
+
+    def one_step(fn, inputs):  # noqa: ANN001, ANN202
+        fn(*inputs).float().sum().backward()
+        # the decoder's gradients go into fp32 main gradients, as in the trainer
+        assert all(t.grad is not None or hasattr(t, "main_grad") for t in inputs)
+        assert all(t.main_grad.abs().sum() > 0 for t in inputs if hasattr(t, "main_grad"))
+        return 2.0
+
+    monkeypatch.setattr(parallel_ce, "linear_cross_entropy", spy)
+    monkeypatch.setattr(bench, "fwd_bwd_ms", one_step)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+    for name in ("reset_peak_memory_stats", "memory_allocated", "max_memory_allocated"):
+        monkeypatch.setattr(torch.cuda, name, lambda: 0)
+    figures = bench.time_head(torch.float32, 2, 5, [0, 8], [0.0, 1.0], preset="tiny", seq=16,
+                              device="cpu")
+    assert seen == [(None, 0.0), (None, 1.0), (8, 0.0), (8, 1.0)]
+    assert figures.keys() == bench_script("gpu_table").SCHEMA["head"]  # bench/gpu_table.py
+    assert figures["best"]["ms"] == 2.0 and figures["layer_ms"] == 2.0
+    out = capsys.readouterr().out
+    assert "one Transformer layer" in out and "rows 8, keep 1 GiB" in out
+    assert out.count("head = 1.00 layers") == 6  # 4 of ours, eager and compiled full logits

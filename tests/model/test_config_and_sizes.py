@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron_rembert import summary
-from megatron_rembert.config import ConfigError, get_preset
+from megatron_rembert.config import ConfigError, check_buildable, get_preset
 from megatron_rembert.convert.hf import hf_config_dict
 from megatron_rembert.model.sizes import flops_per_token, parameter_counts
 
@@ -84,7 +84,7 @@ def test_flops_count_head_only_at_masked_tokens():
 def test_validation_names_the_field(changes, tp, field):
     config = get_preset("tiny").replace(**changes)
     with pytest.raises(ConfigError, match=field):
-        config.validate(tp)
+        check_buildable(config, tp, 1)
 
 
 def test_unknown_preset():

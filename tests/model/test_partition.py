@@ -6,50 +6,55 @@ from pathlib import Path
 
 import pytest
 
+from megatron_rembert.checkpoint.resume import (
+    check_layout,
+    other_stage_split,
+    parameter_balanced_boundaries,
+)
+from megatron_rembert.checkpoint.step_folder import StepFolder
 from megatron_rembert.config import ConfigError
 from megatron_rembert.model.partition import balance_stages, one_f_one_b_efficiency
-from megatron_rembert.run_config import load_config, validate_config
-from megatron_rembert.training.estimate import (
-    dry_run_report,
-    parameter_balanced_boundaries,
-    stage_plan,
-)
+from megatron_rembert.run_config import load_config
+from megatron_rembert.training.dry_run import dry_run_report
+from megatron_rembert.training.estimate import stage_plan
+from megatron_rembert.training.plan import RunPlan
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _rembert(pp: int, *sets: str):
     config = load_config(ROOT / "configs/rembert.yaml", [f"parallel.pp={pp}", *sets])
-    return config, validate_config(config, 2 * pp * 4)  # tp 2 x dp 4
+    return config, RunPlan.build(config, 2 * pp * 4)  # tp 2 x dp 4
 
 
 @pytest.mark.parametrize("pp, goal", [(2, 0.55), (4, 0.30), (8, 0.15)])
 def test_rembert_busiest_stage_meets_the_goal(pp, goal):
-    config, layout = _rembert(pp)
-    plan = stage_plan(config, layout)
+    config, run = _rembert(pp)
+    plan, layout = run.stages, run.layout
     assert max(plan.flops) / sum(plan.flops) <= goal
     # The parameter balance it replaces missed it: 76% of the FLOPs on stage 0 at pp = 2.
     old = parameter_balanced_boundaries(config, pp)
-    per_layer = _layer_flops(config)
+    per_layer = _layer_flops(config, run)
     old_flops = [sum(per_layer[old[i]:old[i + 1]]) for i in range(pp)]
     assert max(old_flops) / sum(old_flops) > goal
     assert plan.efficiency > one_f_one_b_efficiency(old_flops, layout.gas)
 
 
-def _layer_flops(config):
+def _layer_flops(config, run):
     from megatron_rembert.model.partition import pipeline_layer_flops
 
-    return pipeline_layer_flops(config.model, config.data.seq_length, 80,
-                                config.parallel.activation_checkpointing)
+    seq = config.data.seq_length
+    return pipeline_layer_flops(config.model, seq, run.data.max_predictions,
+                                config.parallel.activation_checkpointing,
+                                masked=run.data.training_masked_per_row(seq))
 
 
 def test_every_layer_once_and_deterministic():
-    config, layout = _rembert(4, "parallel.activation_checkpointing=true")
-    plan = stage_plan(config, layout)
-    b = plan.boundaries
+    config, run = _rembert(4, "parallel.activation_checkpointing=true")
+    b = run.stages.boundaries
     assert b[0] == 0 and b[-1] == config.model.num_hidden_layers + 2
     assert all(b[i] < b[i + 1] for i in range(4))  # contiguous, non-empty, each layer once
-    assert stage_plan(config, layout).boundaries == b
+    assert stage_plan(config, run.layout, run.data).boundaries == b
 
 
 def test_exhaustive_optimum_on_small_cases():
@@ -90,16 +95,15 @@ def _flops(bounds, i, flops):
 
 @pytest.mark.multiprocess
 def test_memory_cap_moves_layers_off_the_first_stage():
-    config, layout = _rembert(2)
-    free = stage_plan(config, layout)
+    config, run = _rembert(2)
+    free = run.stages
     # The uncapped balance leaves stage 0 (most micro-batches in flight) the most memory.
     cap = 0.9 * max(free.total_memory(i) for i in range(2))
-    capped_config, _ = _rembert(2, f"parallel.stage_memory_gib={cap / 2**30}")
-    capped = stage_plan(capped_config, layout)
+    _, capped_run = _rembert(2, f"parallel.stage_memory_gib={cap / 2**30}")
+    capped = capped_run.stages
     assert all(capped.total_memory(i) <= cap for i in range(2))
     assert capped.boundaries[1] < free.boundaries[1]
     # The trainer's own check (before any heavy work) names the key.
-    tight, _ = _rembert(2, "parallel.stage_memory_gib=1")
     run = subprocess.run([sys.executable, "train.py", "--config", "configs/rembert.yaml",
                           "--set", "parallel.pp=2", "--set", "parallel.stage_memory_gib=1",
                           "--dry-run", "--world-size", "16"],
@@ -108,24 +112,22 @@ def test_memory_cap_moves_layers_off_the_first_stage():
     assert ("error: parallel.stage_memory_gib=1.0: no split of 34 pipeline layers into 2 "
             "stages") in run.stderr
     with pytest.raises(ConfigError, match="parallel.stage_memory_gib"):
-        stage_plan(tight, layout)
+        _rembert(2, "parallel.stage_memory_gib=1")
 
 
 def test_dry_run_prints_the_stage_table():
-    config, layout = _rembert(2)
-    report = dry_run_report(config, layout.world_size)
+    config, run = _rembert(2)
+    report = dry_run_report(config, run)
     assert "1F1B efficiency bound" in report
-    assert "stage 0: embedding + layers 0-18" in report
-    assert "stage 1: layers 19-31 + MLM head" in report
+    assert "stage 0: embedding + layers 0-17" in report
+    assert "stage 1: layers 18-31 + MLM head" in report
 
 
 def test_a_checkpoint_of_another_split_is_read_as_full_tensors():
     """Resuming at the same tp x pp but another stage split (a checkpoint of an earlier version
     records none: DeepSpeed's parameter balance) takes the full-tensor path."""
-    from megatron_rembert.training.checkpoint import other_stage_split
-
-    config, layout = _rembert(2)
-    current = stage_plan(config, layout).boundaries
+    config, run = _rembert(2)
+    layout, current = run.layout, run.stage_boundaries
     old = parameter_balanced_boundaries(config, 2)
     assert old != current
     meta = {"layout": layout.sizes(), "stage_boundaries": current}
@@ -133,4 +135,15 @@ def test_a_checkpoint_of_another_split_is_read_as_full_tensors():
     assert other_stage_split({"layout": layout.sizes()}, config, layout, current) == old
     assert other_stage_split({**meta, "stage_boundaries": old}, config, layout, current) == old
     one, single = _rembert(1)
-    assert other_stage_split({"layout": single.sizes()}, one, single, None) is None
+    assert single.stage_boundaries is None
+    assert other_stage_split({"layout": single.layout.sizes()}, one, single.layout,
+                             None) is None
+    # How each loads: the same split everything ('same'), another split full tensors; at
+    # another dp the split is not consulted (ZeRO partitions load full tensors anyway).
+    saved = {"config": {"parallel": {"zero_stage": 1}}}
+    for split, how in ((current, "same"), (old, "full")):
+        step = StepFolder(Path("step_00000001"), {**meta, **saved, "stage_boundaries": split})
+        assert check_layout(step, layout, other_stage_split(step.meta, config, layout,
+                                                            current)) == how
+    other_dp = {**meta, "layout": {**layout.sizes(), "dp": 1}, "stage_boundaries": old}
+    assert other_stage_split(other_dp, config, layout, current) is None

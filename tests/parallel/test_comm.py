@@ -111,3 +111,52 @@ def test_checkpoint_save_agrees_on_the_communication_device(meta_comm, tmp_path)
     ckpt.save_checkpoint(_Engine(), tmp_path, 3, 24, {}, keep_last=1)
     assert (tmp_path / "latest").read_text().strip() == "step_00000003"
     assert meta_comm and set(meta_comm) == {torch.device("meta")}
+
+
+class _Refused(Exception):
+    pass
+
+
+def _agree_worker(rank, world_size, failing: list[int]) -> tuple[str, str]:
+    """Ranks in `failing` fail inside the block; every rank reports what it raised: its own
+    error, or the one `failure` made (with how many ranks failed)."""
+    def failure(error, ranks):
+        return error or _Refused(f"{ranks} other rank(s) failed")
+
+    try:
+        with comm.agree_or_raise(ValueError, failure):
+            if rank in failing:
+                raise ValueError(f"rank {rank} failed")
+    except (ValueError, _Refused) as err:
+        return type(err).__name__, str(err)
+    return "none", ""
+
+
+@pytest.mark.multiprocess
+def test_agree_or_raise_tells_every_rank():
+    """One rank fails: it raises its own error, the others learn it failed (no rank left
+    waiting in a collective); none fails: nobody raises."""
+    from tests.distributed import run_distributed
+
+    assert run_distributed(_agree_worker, 3, [1]) == [
+        ("_Refused", "1 other rank(s) failed"), ("ValueError", "rank 1 failed"),
+        ("_Refused", "1 other rank(s) failed")]
+    assert run_distributed(_agree_worker, 2, []) == [("none", "")] * 2
+
+
+def test_agree_or_raise_on_the_communication_device(meta_comm):
+    """One collective on the communication device; this rank's error is raised whatever the
+    others report (here: nothing), a failure made anew names its cause, an error of another
+    type is not held."""
+    with comm.agree_or_raise(ValueError, lambda error, ranks: error):
+        pass
+    assert meta_comm == [torch.device("meta")]
+    made = RuntimeError("saving failed")
+    with pytest.raises(RuntimeError, match="saving failed") as raised:
+        with comm.agree_or_raise(OSError, lambda error, ranks: made):
+            raise OSError(28, "No space left on device")
+    assert isinstance(raised.value.__cause__, OSError)
+    with pytest.raises(KeyError):
+        with comm.agree_or_raise(OSError, lambda error, ranks: made):
+            raise KeyError("not an OSError")
+    assert len(meta_comm) == 2  # the KeyError left before the agreement

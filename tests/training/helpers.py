@@ -91,17 +91,19 @@ def train_worker(rank, world_size, overrides, fp16_on_cpu=False):
     import deepspeed
 
     from megatron_rembert.parallel import state
-    from megatron_rembert.run_config import build_config, validate_config
+    from megatron_rembert.run_config import build_config
     from megatron_rembert.training.engine import Trainer
-    from megatron_rembert.training.portable import local_parameters
+    from megatron_rembert.training.full_tensors import local_parameters
+    from megatron_rembert.training.plan import RunPlan
 
     if fp16_on_cpu:
         allow_cpu_fp16()
     deepspeed.init_distributed(dist_backend="gloo")
     config = build_config({"model": {"preset": "tiny"}}, overrides)
-    layout = validate_config(config, world_size, rank)
+    plan = RunPlan.build(config, world_size, rank)
+    layout = plan.layout
     s = state.initialize_model_parallel(layout)
-    trainer = Trainer(config, layout, torch.device("cpu"))
+    trainer = Trainer(config, plan, torch.device("cpu"))
     initial = {n: _master(p) for n, p in local_parameters(trainer.engine.module)}
     out = []
     for step in range(config.train.steps):

@@ -54,7 +54,7 @@ def _masters_and_momentum(trainer, with_momentum: bool = True) -> tuple[dict, di
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     from megatron_rembert.training import deepspeed_private
-    from megatron_rembert.training.portable import local_parameters
+    from megatron_rembert.training.full_tensors import local_parameters
 
     masters, momentum = {}, {}
     opt = trainer.optimizer
@@ -80,7 +80,7 @@ def _tp_norms(tensors: dict, trainer) -> dict[str, float]:
 
     from megatron_rembert.parallel import state
     from megatron_rembert.parallel.layers import is_tp_sharded
-    from megatron_rembert.training.portable import local_parameters
+    from megatron_rembert.training.full_tensors import local_parameters
 
     sharded = {n: is_tp_sharded(p) for n, p in local_parameters(trainer.engine.module)}
     out = {}
@@ -143,10 +143,11 @@ def merge_ranks(per_rank: list[Run]) -> Run:
 def reference_run(path: str, sets: list[str]) -> Run:
     """Plain torch, fp32, one process, each global batch in one piece."""
     from megatron_rembert.data.loader import build_pretraining_loader
+    from megatron_rembert.data.schedule import DataPlan
     from megatron_rembert.model.rembert import RemBertForPreTraining
     from megatron_rembert.parallel.layout import Layout
     from megatron_rembert.run_config import load_config
-    from megatron_rembert.training.optim import build_optimizer, build_scheduler
+    from megatron_rembert.training.optim import LRSchedule, build_optimizer, build_scheduler
 
     config = load_config(path, sets + ["train.precision=fp32", "parallel.tp=1",
                                        "parallel.pp=1"])
@@ -154,11 +155,11 @@ def reference_run(path: str, sets: list[str]) -> Run:
     model = RemBertForPreTraining(config.model)
     model.init_weights(train.seed)
     optimizer = build_optimizer(model, config)
-    scheduler = build_scheduler(optimizer, config)
+    scheduler = build_scheduler(optimizer, LRSchedule.of(config))
     # The whole global batch as one micro-batch.
     layout = Layout(micro_batch_size=train.global_batch_size)
-    loader = build_pretraining_loader(data, layout, seed=train.seed, num_workers=0,
-                                      steps=train.steps)
+    plan = DataPlan.resolve(data, train.steps, config.eval.mask_prob)
+    loader = build_pretraining_loader(data, layout, plan, seed=train.seed, num_workers=0)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     run = Run()
     for _ in range(train.steps):

@@ -11,20 +11,22 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_rembert.checkpoint import CheckpointError
+from megatron_rembert.checkpoint.step_folder import find_latest
 from megatron_rembert.config import ConfigError
 from megatron_rembert.data.common import DataError
 from megatron_rembert.run_config import (
     RANGES,
     Config,
     build_config,
+    check_config,
     check_ranges,
     config_help,
     load_config,
-    validate_config,
 )
-from megatron_rembert.training.checkpoint import CheckpointError, find_latest
 from megatron_rembert.training.loop import check_inputs
 from megatron_rembert.training.optim import deepspeed_config, lr_lambda
+from megatron_rembert.training.plan import RunPlan
 from tests.training.conftest import SEQ
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,14 +68,14 @@ def test_bad_overrides_name_the_key(item, message):
 def test_layout_errors(sets, world, message):
     config = load_config(ROOT / "configs/tiny.yaml", sets)
     with pytest.raises(ConfigError, match=message):
-        validate_config(config, world)
+        RunPlan.build(config, world)
 
 
 def test_deepspeed_dict_gets_every_number_from_our_config(tmp_path):
     config = load_config(ROOT / "configs/rembert.yaml", ["parallel.ds_config="
                                                          + str(ROOT / "ds_configs/zero2_bf16.json"),
                                                          "parallel.zero_stage=2"])
-    ds = deepspeed_config(config, validate_config(config, 32))  # tp 2 x dp 16
+    ds = deepspeed_config(config, RunPlan.build(config, 32).layout)  # tp 2 x dp 16
     assert ds["train_batch_size"] == 2048 and ds["train_micro_batch_size_per_gpu"] == 16
     assert ds["gradient_accumulation_steps"] == 8 and ds["gradient_clipping"] == 1.0
     assert ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
@@ -83,7 +85,7 @@ def test_deepspeed_dict_gets_every_number_from_our_config(tmp_path):
     bad.write_text(json.dumps({"train_batch_size": 4}))
     config.parallel.ds_config = str(bad)
     with pytest.raises(ConfigError, match="sets train_batch_size, .* train.global_batch_size"):
-        deepspeed_config(config, validate_config(config, 32))
+        deepspeed_config(config, RunPlan.build(config, 32).layout)
 
 
 def test_lr_schedule_warmup_then_linear_decay():
@@ -102,8 +104,8 @@ def _tiny(tiny_dataset, *sets):
 
 
 def test_inputs_accepted(tiny_dataset):
-    layout, sha = check_inputs(_tiny(tiny_dataset), 2, torch.device("cpu"), rank=1)
-    assert (layout.dp, layout.dp_rank) == (2, 1) and len(sha) == 64
+    plan, sha = check_inputs(_tiny(tiny_dataset), 2, torch.device("cpu"), rank=1)
+    assert (plan.layout.dp, plan.layout.dp_rank) == (2, 1) and len(sha) == 64
 
 
 def test_missing_data_folder(tiny_dataset, tmp_path):
@@ -146,7 +148,7 @@ def test_fp16_on_cpu_only_where_deepspeed_allows_it(tiny_dataset, monkeypatch, c
     monkeypatch.setattr(get_accelerator(), "is_fp16_supported", lambda: cpu_has_fp16)
     config = _tiny(tiny_dataset, "train.precision=fp16")
     if cpu_has_fp16:
-        assert check_inputs(config, 1, torch.device("cpu"))[0].dp == 1
+        assert check_inputs(config, 1, torch.device("cpu"))[0].layout.dp == 1
     else:
         with pytest.raises(ConfigError, match="fp16 needs a GPU"):
             check_inputs(config, 1, torch.device("cpu"))
@@ -178,11 +180,11 @@ def test_cli_dry_run_and_errors():
 @pytest.mark.parametrize("path", sorted(str(p.relative_to(ROOT))
                                         for p in (ROOT / "configs").rglob("*.yaml")))
 def test_every_shipped_config_loads_and_plans(path):
-    from megatron_rembert.training.estimate import dry_run_report
+    from megatron_rembert.training.dry_run import dry_run_report
 
     config = load_config(ROOT / path)
     world = config.parallel.tp * config.parallel.pp * 2  # dp = 2
-    report = dry_run_report(config, world)
+    report = dry_run_report(config, RunPlan.build(config, world))
     assert f"model {config.model_preset}:" in report and "total" in report
 
 
@@ -227,7 +229,7 @@ def test_every_numeric_setting_has_a_range_checked_before_heavy_work():
 ])
 def test_bad_schedules_are_refused(sets, message):
     with pytest.raises(ConfigError, match=message):
-        check_ranges(load_config(ROOT / "configs/rembert.yaml", sets))
+        check_config(load_config(ROOT / "configs/rembert.yaml", sets))
 
 
 def test_unknown_language_is_refused_at_start_up(tiny_dataset):

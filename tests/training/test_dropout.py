@@ -36,7 +36,7 @@ def _train_with_dropout(rank, world_size, sets):
     from megatron_rembert.parallel.layers import is_tp_sharded
     from megatron_rembert.run_config import load_config
     from megatron_rembert.training import engine, loop
-    from megatron_rembert.training.portable import local_parameters
+    from megatron_rembert.training.full_tensors import local_parameters
 
     streams, trainers = {}, []
     real_forward, real_init = transformer.TransformerLayer.forward, engine.Trainer.__init__

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from megatron_rembert.config import ConfigError
-from megatron_rembert.run_config import load_config, validate_config
+from megatron_rembert.run_config import load_config
+from megatron_rembert.training.plan import RunPlan
 from tests.distributed import run_distributed
 from tests.training.production import as_sets, data_overrides, merge_ranks, run_train
 
@@ -42,16 +43,16 @@ def run_sets(tiny_dataset, out: Path, steps: int, fp8: bool, tp: int = 1, **extr
 # -- start-up checks -------------------------------------------------------------------------
 def test_dimensions_not_multiples_of_16_are_refused():
     config = load_config(TINY, ["train.fp8=true"])  # hidden 48, FFN 192: fine at tp 1
-    validate_config(config, 1)
+    RunPlan.build(config, 1)
     config.parallel.tp = 2  # 24 per rank
     with pytest.raises(ConfigError, match=r"^train.fp8=true needs model.hidden_size / "
                                           r"parallel.tp in multiples of 16 \(fp8 GEMMs\), got "
                                           r"48 / 2"):
-        validate_config(config, 2)
+        RunPlan.build(config, 2)
     config = load_config(TINY, ["train.fp8=true", "parallel.tp=2"] + as_sets(FP8_MODEL)
                          + ["model.intermediate_size=264"])  # 132 per rank
     with pytest.raises(ConfigError, match="model.intermediate_size / parallel.tp .* 264 / 2"):
-        validate_config(config, 2)
+        RunPlan.build(config, 2)
 
 
 def test_train_py_refuses_with_one_error_line(capsys):
@@ -69,19 +70,19 @@ def test_train_py_refuses_with_one_error_line(capsys):
 
 def test_gpus_without_fp8_tensor_cores_are_refused(monkeypatch):
     config = load_config(TINY, ["train.fp8=true"] + as_sets(FP8_MODEL))
-    validate_config(config, 1)  # on the CPU: allowed (the tests run the real fp8 GEMMs)
+    RunPlan.build(config, 1)  # on the CPU: allowed (the tests run the real fp8 GEMMs)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA A100-SXM4-80GB")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (8, 0))
     with pytest.raises(ConfigError, match=r"^train.fp8=true needs a GPU of compute capability "
                                           r">= 8.9 .*; NVIDIA A100-SXM4-80GB has 8.0: set "
                                           r"train.fp8=false$"):
-        validate_config(config, 1)
+        RunPlan.build(config, 1)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (9, 0))  # H100/H200
-    validate_config(config, 1)
+    RunPlan.build(config, 1)
     config.train.fp8 = False
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (8, 0))
-    validate_config(config, 1)  # bf16 on an A100: nothing to refuse
+    RunPlan.build(config, 1)  # bf16 on an A100: nothing to refuse
 
 
 # -- training --------------------------------------------------------------------------------

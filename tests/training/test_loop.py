@@ -178,8 +178,9 @@ def test_resume_refuses_other_owner_and_data_then_continues_at_another_dp_and_ba
     continues directly with a global batch of 10 (48 is no multiple: the data skips to sample
     50) and train.steps 6 -> 8 (the 1-sqrt decay reshaped), each said in a notice."""
     from megatron_rembert.checkpoint import CheckpointError
-    from megatron_rembert.run_config import load_config, validate_config
+    from megatron_rembert.run_config import load_config
     from megatron_rembert.training import loop
+    from megatron_rembert.training.plan import RunPlan
 
     _, _, saved = uninterrupted
     shutil.copytree(saved, tmp_path / "ckpt")
@@ -197,8 +198,9 @@ def test_resume_refuses_other_owner_and_data_then_continues_at_another_dp_and_ba
     manifest = json.loads((other / "manifest.json").read_text())
     (other / "manifest.json").write_text(json.dumps(manifest, indent=3))  # another file
     config = load_config("configs/tiny.yaml", overrides(tmp_path, other, tokenizer))
-    layout = validate_config(config, 1)
-    meta = loop._meta(config, "0" * 64, layout)
+    plan = RunPlan.build(config, 1)
+    layout = plan.layout
+    meta = loop._meta(config, "0" * 64, plan)
     with pytest.raises(CheckpointError, match=r"tokenizer_sha256 .*data.tokenizer="):
         loop._find_resume(config, meta, layout)
     meta["tokenizer_sha256"] = json.loads(
@@ -206,7 +208,7 @@ def test_resume_refuses_other_owner_and_data_then_continues_at_another_dp_and_ba
     with pytest.raises(CheckpointError, match=rf"dataset_sha256 .*data.path={other}"):
         loop._find_resume(config, meta, layout)
     config = load_config("configs/tiny.yaml", sets)
-    layout = validate_config(config, 1)
+    layout = RunPlan.build(config, 1).layout
     meta = json.loads((tmp_path / "ckpt" / "step_00000006" / "meta.json").read_text())
     folder, _ = loop._find_resume(config, {**meta, "config": config.to_dict()}, layout)
     notices = capsys.readouterr().out
@@ -225,8 +227,9 @@ def test_resume_refuses_other_owner_and_data_then_continues_at_another_dp_and_ba
 
 def test_resume_from_rolls_back_without_losing_newer(tmp_path, tiny_dataset, uninterrupted):
     """train.resume_from names an older folder: newer ones are moved aside, none deleted."""
-    from megatron_rembert.run_config import load_config, validate_config
+    from megatron_rembert.run_config import load_config
     from megatron_rembert.training import loop
+    from megatron_rembert.training.plan import RunPlan
 
     _, _, saved = uninterrupted
     save_dir = tmp_path / "ckpt"
@@ -235,7 +238,8 @@ def test_resume_from_rolls_back_without_losing_newer(tmp_path, tiny_dataset, uni
     shutil.copytree(saved, save_dir, dirs_exist_ok=True)
     config = load_config("configs/tiny.yaml", overrides(
         tmp_path, *tiny_dataset, **{"train.resume_from": save_dir / "step_00000003"}))
-    folder, how = loop._find_resume(config, meta, validate_config(config, meta["layout"]["dp"]))
-    assert folder.name == "step_00000003" and how == "same"
+    folder, how = loop._find_resume(config, meta,
+                                    RunPlan.build(config, meta["layout"]["dp"]).layout)
+    assert folder.path.name == "step_00000003" and how == "same"
     assert (save_dir / "latest").read_text().strip() == "step_00000003"
     assert [p.name for p in save_dir.glob("rolled_back/*/step_*")] == ["step_00000006"]

@@ -3,7 +3,7 @@ device, in torch's dtypes (fused AdamW on CUDA refuses a CPU `step`)."""
 
 import torch
 
-from megatron_rembert.training.portable import init_adam_state
+from megatron_rembert.training.full_tensors import init_adam_state
 
 
 def test_portable_adam_state_matches_torchs_own():

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from megatron_rembert.config import ConfigError
-from megatron_rembert.run_config import load_config, validate_config
+from megatron_rembert.run_config import load_config
+from megatron_rembert.training.plan import RunPlan
 from tests.distributed import run_distributed
 from tests.training.production import (
     VOCAB,
@@ -193,7 +194,7 @@ def test_pipeline_with_zero2_is_refused():
         "parallel.pp=2", "parallel.zero_stage=2", "parallel.ds_config=ds_configs/zero2_bf16.json",
         "train.precision=bf16"])
     with pytest.raises(ConfigError, match="pipeline parallelism needs zero_stage=1"):
-        validate_config(config, 2)
+        RunPlan.build(config, 2)
 
 
 @pytest.mark.multiprocess

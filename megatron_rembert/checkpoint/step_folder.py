@@ -10,6 +10,9 @@ Layout of a save folder (`train.save_dir`, or the `--out` of a conversion):
                             folders newer than its target, moved aside (never deleted)
     .lock                   host and pid of the run that owns the folder (see lock.py)
 
+A step folder is checked (`complete`, a readable meta.json) once, where it is resolved: the
+`StepFolder` value that results carries its meta to every reader.
+
 A kill at any moment leaves `latest` naming the previous complete checkpoint. Folders without
 `complete` are never loaded and are removed by the next successful save. Pruning never deletes
 `latest` or anything newer than it. Checkpoints written before manifests existed (no
@@ -22,6 +25,7 @@ import json
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_rembert.checkpoint import CheckpointError
@@ -76,7 +80,21 @@ def read_meta(folder: Path) -> dict:
     return meta
 
 
-def find_latest(save_dir: str | Path) -> Path | None:
+@dataclass(frozen=True)
+class StepFolder:
+    """A complete step folder and its meta.json, checked once where the folder is resolved
+    (`open`, `find_latest`, `resolve_checkpoint`) and passed on to whatever loads it."""
+
+    path: Path
+    meta: dict
+
+    @classmethod
+    def open(cls, path: str | Path) -> StepFolder:
+        folder = check_step_dir(path)
+        return cls(folder, read_meta(folder))
+
+
+def _latest_path(save_dir: str | Path) -> Path | None:
     """The folder `latest` names, checked for completeness; None when there is none yet."""
     pointer = Path(save_dir) / LATEST
     if not pointer.exists():
@@ -90,7 +108,13 @@ def find_latest(save_dir: str | Path) -> Path | None:
                               "'latest' at a complete step_* folder or remove it") from err
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
+def find_latest(save_dir: str | Path) -> StepFolder | None:
+    """The checkpoint `latest` names; None when there is none yet."""
+    folder = _latest_path(save_dir)
+    return None if folder is None else StepFolder(folder, read_meta(folder))
+
+
+def resolve_checkpoint(path: str | Path) -> StepFolder:
     """A complete step folder: `path` itself, or the folder `latest` names when `path` is a
     save folder (train.save_dir, or the --out of a conversion)."""
     path = Path(path)
@@ -100,7 +124,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
         if any(path.glob("step_*")):
             raise CheckpointError(f"{path}: a save folder without '{LATEST}' (no save has "
                                   "completed); name one of its complete step_* folders")
-    return check_step_dir(path)
+    return StepFolder.open(path)
 
 
 # -- integrity ----------------------------------------------------------------------------
@@ -169,7 +193,7 @@ def commit(save_dir: Path, folder: Path, meta: dict, records: dict[str, dict],
 def prune(save_dir: Path, keep_last: int) -> None:
     """Keep the newest `keep_last` complete folders up to `latest`; never touch `latest` or a
     folder newer than it; remove incomplete folders older than `latest` (debris of a kill)."""
-    current = find_latest(save_dir)
+    current = _latest_path(save_dir)
     if current is None:
         return
     newest = step_of(current)

@@ -8,7 +8,6 @@ tensor and zero-fills its padding rows.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -16,6 +15,7 @@ from torch import nn
 
 from megatron_rembert.checkpoint.portable import OPTIM_KEYS, PortableReader
 from megatron_rembert.checkpoint.specs import ParamSpec
+from megatron_rembert.checkpoint.step_folder import StepFolder
 from megatron_rembert.parallel import state
 from megatron_rembert.training import deepspeed_private
 
@@ -42,10 +42,10 @@ class ShardSource(Protocol):
     def local_shard(self, key: str, spec: ParamSpec, tp: int, tp_rank: int) -> torch.Tensor: ...
 
 
-def load_portable(engine, folder: Path, meta: dict) -> None:
+def load_portable(engine, step: StepFolder) -> None:
     """Load a portable checkpoint folder into a DeepSpeed engine built for any layout."""
-    with PortableReader(folder) as reader:
-        load_full_tensors(engine, reader, meta)
+    with PortableReader(step.path) as reader:
+        load_full_tensors(engine, reader, step.meta)
 
 
 def load_full_tensors(engine, source: ShardSource, meta: dict) -> None:

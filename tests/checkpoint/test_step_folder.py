@@ -9,8 +9,7 @@ import sys
 
 import pytest
 
-from megatron_rembert.checkpoint import CheckpointError
-from megatron_rembert.checkpoint import folder as protocol
+from megatron_rembert.checkpoint import CheckpointError, step_folder
 from megatron_rembert.checkpoint import lock as lock_module
 from megatron_rembert.checkpoint.lock import SaveDirLock
 
@@ -20,10 +19,10 @@ META = {"config": {"model": {"preset": "tiny"}}, "layout": {"tp": 1, "pp": 1, "d
 
 def _save(save_dir, step, keep_last=10):
     """A complete step folder the way a save commits it (one data file)."""
-    folder = save_dir / protocol.step_tag(step)
+    folder = save_dir / step_folder.step_tag(step)
     folder.mkdir(parents=True)
     (folder / "weights.bin").write_bytes(bytes([step]) * 64)
-    protocol.commit(save_dir, folder, {**META, "step": step}, {}, keep_last)
+    step_folder.commit(save_dir, folder, {**META, "step": step}, {}, keep_last)
     return folder
 
 
@@ -44,39 +43,63 @@ def test_keep_last_never_deletes_latest_or_newer(tmp_path):
 def test_roll_back_moves_newer_folders_aside(tmp_path):
     for step in (2, 4, 6):
         _save(tmp_path, step)
-    moved = protocol.roll_back(tmp_path, tmp_path / "step_00000004")
+    moved = step_folder.roll_back(tmp_path, tmp_path / "step_00000004")
     assert [p.name for p in moved] == ["step_00000006"]
-    assert moved[0].parent.parent == tmp_path / protocol.ROLLED_BACK and moved[0].is_dir()
+    assert moved[0].parent.parent == tmp_path / step_folder.ROLLED_BACK and moved[0].is_dir()
     assert (tmp_path / "latest").read_text().strip() == "step_00000004"
-    aside = list((tmp_path / protocol.ROLLED_BACK).glob("*/step_00000006"))
+    aside = list((tmp_path / step_folder.ROLLED_BACK).glob("*/step_00000006"))
     assert len(aside) == 1 and (aside[0] / "complete").exists()  # moved, not deleted
     _save(tmp_path, 5, keep_last=2)  # the next save after the roll-back prunes nothing newer
-    assert protocol.find_latest(tmp_path).name == "step_00000005"
+    assert step_folder.find_latest(tmp_path).path.name == "step_00000005"
     # A restart with the same train.resume_from (a requeued job) keeps the progress since.
-    assert protocol.roll_back(tmp_path, tmp_path / "step_00000004") is None
-    assert protocol.find_latest(tmp_path).name == "step_00000005"
+    assert step_folder.roll_back(tmp_path, tmp_path / "step_00000004") is None
+    assert step_folder.find_latest(tmp_path).path.name == "step_00000005"
     with pytest.raises(CheckpointError, match="not a step folder of"):
-        protocol.roll_back(tmp_path, aside[0])
+        step_folder.roll_back(tmp_path, aside[0])
 
 
 def test_manifest_names_the_file_that_differs(tmp_path):
     folder = _save(tmp_path, 1)
     files = json.loads((folder / "manifest.json").read_text())["files"]
     assert sorted(files) == ["meta.json", "weights.bin"]
-    assert protocol.verify(folder)
+    assert step_folder.verify(folder)
     data = bytearray((folder / "weights.bin").read_bytes())
     data[10] ^= 0xFF
     (folder / "weights.bin").write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=r"weights.bin: sha256 differs"):
-        protocol.verify(folder)
+        step_folder.verify(folder)
     (folder / "weights.bin").write_bytes(bytes(data[:-1]))
     with pytest.raises(CheckpointError, match=r"weights.bin: 63 bytes, .* says 64"):
-        protocol.verify(folder)
+        step_folder.verify(folder)
     (folder / "extra.pt").write_bytes(b"x")
     with pytest.raises(CheckpointError, match=r"extra.pt: not in"):
-        protocol.verify(folder)
+        step_folder.verify(folder)
     os.remove(folder / "manifest.json")  # a checkpoint from before manifests
-    assert protocol.verify(folder) is False
+    assert step_folder.verify(folder) is False
+
+
+def test_a_step_folder_is_resolved_once_with_its_meta(tmp_path, monkeypatch):
+    """A step folder or a save folder (its `latest`) gives one StepFolder: the folder and its
+    meta, meta.json read once; incomplete folders and save folders without `latest` refused."""
+    reads = []
+    real_read = step_folder.read_meta
+    monkeypatch.setattr(step_folder, "read_meta", lambda f: reads.append(f) or real_read(f))
+    for step in (1, 2):
+        _save(tmp_path / "run", step)
+    for given in (tmp_path / "run", tmp_path / "run" / "step_00000002"):
+        reads.clear()
+        resolved = step_folder.resolve_checkpoint(given)
+        assert resolved.path == tmp_path / "run" / "step_00000002"
+        assert resolved.meta == {**META, "step": 2}
+        assert reads == [resolved.path]
+    assert step_folder.find_latest(tmp_path / "run") == resolved
+    assert step_folder.find_latest(tmp_path / "nothing") is None
+    (tmp_path / "run" / "latest").unlink()
+    with pytest.raises(CheckpointError, match="a save folder without 'latest'"):
+        step_folder.resolve_checkpoint(tmp_path / "run")
+    (tmp_path / "run" / "step_00000001" / "complete").unlink()
+    with pytest.raises(CheckpointError, match="no 'complete' marker"):
+        step_folder.StepFolder.open(tmp_path / "run" / "step_00000001")
 
 
 def test_meta_without_a_section_is_one_clear_error(tmp_path):
@@ -85,7 +108,7 @@ def test_meta_without_a_section_is_one_clear_error(tmp_path):
     del meta["layout"]
     (folder / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match=r"meta.json: no layout in it"):
-        protocol.read_meta(folder)
+        step_folder.read_meta(folder)
 
 
 @pytest.mark.multiprocess

@@ -1,0 +1,92 @@
+"""`train.py --dry-run`: the run plan in words (sizes, layout, per-rank memory, FLOPs per step,
+the pipeline stages and the schedules), allocating nothing."""
+
+from __future__ import annotations
+
+from megatron_rembert.cli import format_table
+from megatron_rembert.model.sizes import flops_per_token, parameter_counts
+from megatron_rembert.run_config import Config
+from megatron_rembert.training.estimate import MEMORY_KEYS, memory_estimate
+from megatron_rembert.training.plan import RunPlan
+
+
+def dry_run_report(config: Config, plan: RunPlan) -> str:
+    """The `--dry-run` text of `config` run as `plan` (`RunPlan.build`)."""
+    par, layout = config.parallel, plan.layout
+    counts = parameter_counts(config.model)
+    flops = flops_per_token(config.model, config.data.seq_length, config.data.mask_prob)
+    tokens = layout.global_batch_size * config.data.seq_length
+    mem = memory_estimate(plan.stages)
+    gib = 2**30
+    lines = [
+        f"model {config.model_preset}: {counts.pretraining:,} parameters in pre-training "
+        f"({counts.pretraining_with_pooler:,} with pooler), {counts.finetuning:,} in "
+        "fine-tuning",
+        f"layout: world {layout.world_size} = pp {layout.pp} x dp {layout.dp} x tp {layout.tp}; "
+        f"ZeRO stage {par.zero_stage}; {config.train.precision}",
+        f"batch: global {layout.global_batch_size} = micro {layout.micro_batch_size}"
+        f" x accumulation {layout.gas} x dp {layout.dp}; {tokens:,} tokens per step",
+        f"FLOPs per step: {flops['training'] * tokens:.3e} "
+        f"({flops['training']:,.0f} per token, MLM head {flops['head_share']:.1%} of forward)",
+        f"memory per rank (estimate, most loaded stage, {mem['params_per_rank']:,.0f} "
+        "parameters):",
+    ]
+    for key in MEMORY_KEYS:
+        lines.append(f"  {key:<17} {mem[key] / gib:8.2f} GiB")
+    total = sum(mem[k] for k in MEMORY_KEYS)
+    lines.append(f"  {'total':<17} {total / gib:8.2f} GiB")
+    if layout.pp > 1:
+        lines += stage_table(config, plan)
+    lines.append(phase_table(plan))
+    return "\n".join(lines)
+
+
+def phase_table(plan: RunPlan) -> str:
+    """The schedules by phase: steps, mask rate, sampling alpha, languages entering, and the
+    learning rate's warm-up, stable and decay stretches."""
+    data, lr = plan.data, plan.lr
+    schedule = data.schedule
+    rows = []
+    for i, p in enumerate(schedule.phases):
+        rate = (f"{p.mask_prob:g}" if p.mask_prob_end == p.mask_prob
+                else f"{p.mask_prob:g} -> {p.mask_prob_end:g}")
+        entering = sorted(lang for lang, s in schedule.language_start.items()
+                          if p.first_step <= s < p.end_step and s > 0)
+        rows.append([i, f"{p.first_step}-{p.end_step}", rate, f"{p.alpha:g}",
+                     ", ".join(f"{lang}@{schedule.language_start[lang]}" for lang in entering)
+                     or "-"])
+    text = (f"learning rate: warm-up 0-{lr.warmup_steps}, peak {lr.lr:g} until step "
+            f"{lr.decay_start}, {lr.decay} decay to {lr.min_lr:g} at {lr.total_steps}"
+            if lr.decay != "constant" else
+            f"learning rate: warm-up 0-{lr.warmup_steps}, then {lr.lr:g} constant")
+    return "\n".join([f"schedule by phase (steps; P = {data.max_predictions} masked slots for "
+                      f"the largest mask rate, {data.max_mask_prob:g}; validation at "
+                      f"{data.eval_mask_prob:g}):",
+                      format_table(["phase", "steps", "mask rate", "alpha",
+                                    "languages entering"], rows), text])
+
+
+def _layer_names(start: int, stop: int, num_layers: int) -> str:
+    """Pipeline layers [start, stop) in words: 0 is the embedding, num_layers + 1 the head."""
+    parts = ["embedding"] if start == 0 else []
+    first, last = max(start, 1), min(stop, num_layers + 1)  # Transformer layers 1..N
+    if last > first:
+        parts.append(f"layers {first - 1}-{last - 2}" if last - first > 1 else
+                     f"layer {first - 1}")
+    if stop == num_layers + 2:
+        parts.append("MLM head")
+    return " + ".join(parts)
+
+
+def stage_table(config: Config, plan: RunPlan) -> list[str]:
+    """Per pipeline stage: its layers, FLOP share, parameters and memory per rank."""
+    stages, layout = plan.stages, plan.layout
+    total = sum(stages.flops)
+    lines = [f"pipeline stages (balanced by training FLOPs; 1F1B efficiency bound "
+             f"{stages.efficiency:.1%} with {layout.gas} micro-batches per step):"]
+    for i in range(layout.pp):
+        start, stop = stages.boundaries[i], stages.boundaries[i + 1]
+        lines.append(f"  stage {i}: {_layer_names(start, stop, config.model.num_hidden_layers):<34}"
+                     f" FLOPs {stages.flops[i] / total:6.1%}  {stages.parameters[i]:>13,.0f} "
+                     f"parameters  {stages.total_memory(i) / 2**30:7.2f} GiB")
+    return lines

@@ -1,0 +1,101 @@
+"""The fused loss adding grad_weight and grad_bias into fp32 main gradients (the trainer's
+buffers, training/main_grads.py) instead of returning them: the same sums, without the
+rounding to the weight's dtype. In fp32 bitwise the returned gradients; in bf16 the main
+gradient rounded once equals the returned bf16 gradient bitwise (the returned one is that same
+fp32 sum, rounded); over micro-batches the main gradient keeps adding; autograd gets no
+gradient for the two tensors. Several row chunks and vocabulary blocks, kept and recomputed
+logits, both kernel paths; and through the MLM head."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_rembert.kernels import cross_entropy as ce
+from megatron_rembert.kernels import cross_entropy_tiling as tiles
+from megatron_rembert.model.mlm_head import MLMHead
+from megatron_rembert.parallel.layers import init_weights
+from tests.kernels.ce_oracle import make_inputs
+from tests.kernels.test_cross_entropy import run_ours
+from tests.model.helpers import small_config
+
+N, E, V, N_VALID = 37, 16, 300, 290
+
+
+def _into_run(inp: dict, backend: str, chunk: int | None, keep: float, passes: int = 1):
+    """The op with main gradients, `passes` forward + backward in a row; -> (hidden grad of
+    the last pass, weight main grad, bias main grad, weight.grad, bias.grad)."""
+    w = inp["weight"].clone().requires_grad_()
+    b = inp["bias"].clone().requires_grad_()
+    into_w = torch.zeros(w.shape, dtype=torch.float32)
+    into_b = torch.zeros(b.shape, dtype=torch.float32)
+    for _ in range(passes):
+        h = inp["hidden"].clone().requires_grad_()
+        losses, _ = ce.linear_cross_entropy(
+            h, w, b, inp["targets"], inp["weights"], vocab_start=0, n_valid=N_VALID,
+            chunk_size=chunk, backend=backend, keep_logits_gib=keep, main_grads=(into_w, into_b))
+        (losses * inp["grad_out"]).sum().backward()
+    return h.grad, into_w, into_b, w.grad, b.grad
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("chunk, keep", [(None, 0.0), (10, 0.0), (10, 1.0)],
+                         ids=["one-chunk", "chunks", "chunks-kept"])
+@pytest.mark.parametrize("upcast", [True, False], ids=["cpu-rule", "gpu-rule"])
+def test_main_grads_hold_the_returned_gradients(backend, dtype, chunk, keep, upcast,
+                                                monkeypatch):
+    monkeypatch.setattr(tiles, "CHUNK_ELEMENTS", 64 * E)  # 64-row vocabulary blocks: 5 blocks
+    # both ways of summing reduced-precision products in fp32 (upcast operands on CPU, the
+    # rounded product on a GPU), each on CPU
+    monkeypatch.setattr(ce, "upcast_products", lambda device: upcast)
+    inp = make_inputs(N, E, V, N_VALID, dtype, bias=True, seed=3)
+    _, _, (_, grad_w, grad_b) = run_ours(inp, N_VALID, backend, chunk, keep_logits_gib=keep)
+    grad_h, into_w, into_b, w_grad, b_grad = _into_run(inp, backend, chunk, keep)
+    assert w_grad is None and b_grad is None  # autograd got nothing for them
+    assert into_w.dtype == into_b.dtype == torch.float32
+    assert torch.equal(into_w.to(dtype), grad_w)
+    assert torch.equal(into_b.to(dtype), grad_b)
+    assert into_w[:N_VALID].abs().sum() > 0
+    reference_h = run_ours(inp, N_VALID, backend, chunk, keep_logits_gib=keep)[2][0]
+    assert torch.equal(grad_h, reference_h)  # grad_hidden is returned as before
+
+
+def test_main_grads_add_up_over_micro_batches():
+    inp = make_inputs(N, E, V, N_VALID, torch.float32, bias=True, seed=4)
+    _, once_w, once_b, _, _ = _into_run(inp, "torch", 10, 0.0)
+    _, twice_w, twice_b, _, _ = _into_run(inp, "torch", 10, 0.0, passes=2)
+    assert torch.allclose(twice_w, 2 * once_w, rtol=1e-5, atol=1e-7)
+    assert torch.allclose(twice_b, 2 * once_b, rtol=1e-5, atol=1e-7)
+
+
+def test_mlm_head_uses_its_decoder_main_grads():
+    """A head whose decoder carries main gradients (as the trainer attaches them) sums into
+    them; the decoder's .grad stays empty; the other parameters are unaffected."""
+    config = small_config()
+    heads = []
+    for with_main in (False, True):
+        head = MLMHead(config)
+        init_weights(head, 1, config.initializer_range)
+        if with_main:
+            for p in (head.decoder.weight, head.decoder.bias):
+                p.main_grad = torch.zeros(p.shape, dtype=torch.float32)
+        g = torch.Generator().manual_seed(0)
+        hidden = torch.randn(12, config.hidden_size, generator=g)
+        labels = torch.randint(0, config.vocab_size, (12,), generator=g)
+        out = head(hidden, labels, torch.ones(12))
+        out.loss_sum.backward()
+        heads.append(head)
+    plain, main = heads
+    assert main.decoder.weight.grad is None and main.decoder.bias.grad is None
+    assert torch.equal(main.decoder.weight.main_grad, plain.decoder.weight.grad)
+    assert torch.equal(main.decoder.bias.main_grad, plain.decoder.bias.grad)
+    assert torch.equal(main.dense.weight.grad, plain.dense.weight.grad)
+
+
+def test_main_grads_of_the_wrong_kind_are_refused():
+    inp = make_inputs(4, E, V, N_VALID, torch.float32, bias=True)
+    with pytest.raises(ValueError, match="main_grads"):
+        ce.linear_cross_entropy(inp["hidden"], inp["weight"], inp["bias"], inp["targets"],
+                                inp["weights"], vocab_start=0, n_valid=N_VALID,
+                                main_grads=(torch.zeros(V, E, dtype=torch.bfloat16), None))
