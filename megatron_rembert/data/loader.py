@@ -182,11 +182,15 @@ def iterate_batches(make, start: int = 0, stop: int | None = None, num_workers: 
     pool = None
     if num_workers > 0:
         # The workers, and the pool's threads, which start any replacement worker, inherit
-        # this mask. Starting multiprocessing's resource tracker unblocks SIGINT and SIGTERM:
-        # started first, it leaves the mask alone.
-        resource_tracker.ensure_running()
+        # this mask. So does multiprocessing's resource tracker (a process of the rank's
+        # group too), which ignores SIGINT and SIGTERM itself but not SIGUSR1: killed by it,
+        # it was relaunched without its records and printed a KeyError traceback for each
+        # semaphore the pool freed. Starting it unblocks SIGINT and SIGTERM in this thread,
+        # hence the second block.
         unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
         try:
+            resource_tracker.ensure_running()
+            signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
             pool = _Pool(num_workers, _init, (pickle.dumps(make),),
                          context=mp.get_context(mp_context))
         finally:
