@@ -83,6 +83,14 @@ def _main(argv: list[str] | None, stop: StopFlag) -> int:
     from megatron_rembert.training.loop import train
 
     summary = train(config, stop)
+    # torch's documented end of a rank, done or stopped: its process groups are destroyed
+    # while everything they use still exists. Left to the interpreter's teardown, a rank that
+    # stopped during start-up once aborted after its clean stop ("terminate called without
+    # an active exception", exit 134) and torchrun then killed the others.
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
     if not summary.get("stopped") and int(os.environ.get("RANK", 0)) == 0:
         print(f"done at step {summary['step']}; checkpoints in {summary['save_dir']}, "
               f"metrics in {summary['log_dir']}/metrics.jsonl; "
