@@ -14,24 +14,39 @@ else.
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
-import os
 import sys
 
-from megatron_rembert.cli import run_cli
-from megatron_rembert.config import ConfigError
-from megatron_rembert.launch_env import launch_env
-from megatron_rembert.run_config import check_settings, config_help, load_config
+# The standard library and the stop handler's module only (it imports nothing else): main()
+# installs the handler before any other import of this package, torch's or DeepSpeed's.
 from megatron_rembert.training.signals import StopFlag
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Bad settings or input: one `error:` line and exit 2 (`cli.run_cli`)."""
-    return run_cli(_main, argv)
+    """Bad settings or input: one `error:` line and exit 2 (`cli.run_cli`).
+
+    Stop signals are remembered from the first line on (training/signals.py): a stop during
+    start-up, even during `import torch`, exits 0 with nothing to save. Once training has
+    begun the handlers stay until the process ends (a signal while the rank exits is not a
+    kill); a call that ends before (--help, --dry-run, bad settings) puts the old ones back."""
+    stop = StopFlag()
+    from megatron_rembert.cli import run_cli
+
+    try:
+        return run_cli(lambda args: _main(args, stop), argv)
+    finally:
+        if not stop.in_use:
+            stop.restore()
 
 
-def _main(argv: list[str] | None) -> int:
+def _main(argv: list[str] | None, stop: StopFlag) -> int:
+    import argparse
+    import importlib.util
+    import os
+
+    from megatron_rembert.config import ConfigError
+    from megatron_rembert.launch_env import launch_env
+    from megatron_rembert.run_config import check_settings, config_help, load_config
+
     parser = argparse.ArgumentParser(
         description=__doc__, epilog=config_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -65,7 +80,10 @@ def _main(argv: list[str] | None) -> int:
 
     par = config.parallel
     world = (args.world_size if args.dry_run else None) or launch.world_size
-    plan = RunPlan.build(config, world or (par.tp * par.pp if args.dry_run else 1))
+    # The run plan, resolved once: a real run's is this rank's (the launcher's RANK), which
+    # the training loop takes as it is.
+    plan = RunPlan.build(config, world or (par.tp * par.pp if args.dry_run else 1),
+                         0 if args.dry_run else launch.rank)
     local_world = launch.local_world_size or 1  # ranks on this node, as the launcher says
     if args.dry_run:
         from megatron_rembert.training.dry_run import dry_run_report
@@ -77,12 +95,19 @@ def _main(argv: list[str] | None) -> int:
         return 0
     # Sizes that cannot fit are refused here, before torch.distributed and the model.
     check_memory(config, plan.stages, launch.local_rank, local_world)
-    # Stop signals are remembered from here on: DeepSpeed and the model start later.
-    stop = StopFlag()
+    stop.in_use = True
     from megatron_rembert.training.loop import train
 
-    summary = train(config, stop)
-    if summary and int(os.environ.get("RANK", 0)) == 0:
+    summary = train(config, stop, plan)
+    # torch's documented end of a rank, done or stopped: its process groups are destroyed
+    # while everything they use still exists. Left to the interpreter's teardown, a rank that
+    # stopped during start-up once aborted after its clean stop ("terminate called without
+    # an active exception", exit 134) and torchrun then killed the others.
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if not summary.get("stopped") and int(os.environ.get("RANK", 0)) == 0:
         print(f"done at step {summary['step']}; checkpoints in {summary['save_dir']}, "
               f"metrics in {summary['log_dir']}/metrics.jsonl; "
               f"view with: tensorboard --logdir {summary['log_dir']}")

@@ -20,10 +20,12 @@ or numpy arrays.
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.pool
 import os
 import pickle
 import signal
 from collections.abc import Iterator
+from multiprocessing import resource_tracker
 
 import numpy as np
 
@@ -124,6 +126,25 @@ class ValidBatches:
 
 
 _MAKE = None
+# Stop signals are for the rank (training/signals.py), which still needs its workers for the
+# step it finishes before saving; yet they reach the workers too: torchrun signals each rank's
+# process group, a scheduler every process of the job. A worker killed while it waits for a
+# task dies holding the pool's task-queue lock, and the rank's Pool.terminate() then waits
+# for that lock for ever: the rank never exits (issue 30). So the workers ignore these
+# signals, from their first instruction on (the rank starts them with the signals blocked and
+# `_init` ignores them before unblocking), and the pool ends them with SIGKILL (`_Pool`).
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGUSR1, signal.SIGINT}
+
+
+class _Pool(multiprocessing.pool.Pool):
+    """multiprocessing's Pool, whose terminate() ends its workers with SIGKILL: they ignore
+    SIGTERM. It sends it once it holds the task-queue lock, so no worker dies holding that."""
+
+    @staticmethod
+    def Process(ctx, *args, **kwargs):  # noqa: N802 - Pool's name for this hook
+        process = ctx.Process(*args, **kwargs)
+        process.terminate = process.kill
+        return process
 
 
 def _init(make_pickled: bytes) -> None:
@@ -132,9 +153,9 @@ def _init(make_pickled: bytes) -> None:
     # first task instead, where the caller sees it.
     global _MAKE
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    # Ctrl-C reaches the whole process group; the rank handles it (training/signals.py) and
-    # still needs its loader for the step it finishes before saving.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)  # also drops one sent while the worker started
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
     try:
         _MAKE = pickle.loads(make_pickled)
     except BaseException as e:  # noqa: BLE001 - re-raised in _run
@@ -160,7 +181,20 @@ def iterate_batches(make, start: int = 0, stop: int | None = None, num_workers: 
     numbers = range(start, stop) if stop is not None else _count(start)
     pool = None
     if num_workers > 0:
-        pool = mp.get_context(mp_context).Pool(num_workers, _init, (pickle.dumps(make),))
+        # The workers, and the pool's threads, which start any replacement worker, inherit
+        # this mask. So does multiprocessing's resource tracker (a process of the rank's
+        # group too), which ignores SIGINT and SIGTERM itself but not SIGUSR1: killed by it,
+        # it was relaunched without its records and printed a KeyError traceback for each
+        # semaphore the pool freed. Starting it unblocks SIGINT and SIGTERM in this thread,
+        # hence the second block.
+        unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+        try:
+            resource_tracker.ensure_running()
+            signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+            pool = _Pool(num_workers, _init, (pickle.dumps(make),),
+                         context=mp.get_context(mp_context))
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
 
         def submit(j):
             return pool.apply_async(_run, (j,))

@@ -94,12 +94,18 @@ def setup_distributed(timeout_minutes: float = 10.0, backend: str = "auto"
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def check_inputs(config: Config, world_size: int, device: torch.device, rank: int = 0
-                 ) -> tuple[RunPlan, str | None]:
+def check_inputs(config: Config, world_size: int, device: torch.device, rank: int = 0,
+                 plan: RunPlan | None = None) -> tuple[RunPlan, str | None]:
     """Every cheap check before heavy work: the run plan (config, layout, stage split), data
     folder, tokenizer, vocabulary (the one place the model's vocabulary is compared with the
-    dataset's). Returns this rank's run plan, built here once, and the tokenizer's sha256."""
-    plan = RunPlan.build(config, world_size, rank)
+    dataset's). Returns this rank's run plan (`plan` as given, else built here once) and the
+    tokenizer's sha256."""
+    if plan is None:
+        plan = RunPlan.build(config, world_size, rank)
+    elif (plan.layout.world_size, plan.layout.rank) != (world_size, rank):
+        raise RuntimeError(f"the run plan is of rank {plan.layout.rank} of "
+                           f"{plan.layout.world_size}, this process is rank {rank} of "
+                           f"{world_size}")
     if plan.layout.pp > 1:
         if device.type == "cuda" and config.parallel.backend == "gloo":
             raise ConfigError("parallel.backend=gloo with parallel.pp>1 on GPUs: gloo's "
@@ -204,11 +210,12 @@ def _find_resume(config: Config, meta_now: dict, layout: Layout
     return latest, how
 
 
-def train(config: Config, stop: StopFlag | None = None) -> dict:
+def train(config: Config, stop: StopFlag | None = None, plan: RunPlan | None = None) -> dict:
     """Run (or resume) training; returns a summary of where everything went.
 
     `stop`: the stop-signal flag (training/signals.py), installed here if not given; train.py
-    installs it before its heavy imports.
+    installs it before its heavy imports. `plan`: this rank's run plan, when the caller
+    resolved it already (train.py does, for its memory check); built here otherwise.
 
     A collective that times out or breaks (a peer hung, died or stopped on its own error)
     ends the run with one line naming this rank's position (step, phase, micro-batch or
@@ -220,8 +227,16 @@ def train(config: Config, stop: StopFlag | None = None) -> dict:
         rank, world, device = setup_distributed(config.parallel.timeout_minutes,
                                                 config.parallel.backend)
         watchdog = Watchdog(rank, 0.9 * 60 * config.parallel.timeout_minutes).start()
+        # A stop during the imports or the rendezvous ends here, before the model is built
+        # (a launcher's grace period before its SIGKILL may be shorter than the build).
+        if stop.agreed():
+            if rank == 0:
+                print(f"{stop.name or 'a signal to another rank'} during start-up: nothing "
+                      "new to save; exiting", flush=True)
+            return {"step": None, "last_saved": None, "last": {}, "stopped": True,
+                    "save_dir": config.train.save_dir, "log_dir": config.train.log_dir}
         with _save_dir_locked(config):
-            return _train(config, rank, world, device, stop)
+            return _train(config, rank, world, device, stop, plan)
     except Exception as err:
         if is_collective_failure(err):
             said = (str(err).strip().splitlines() or [type(err).__name__])[0]
@@ -235,12 +250,12 @@ def train(config: Config, stop: StopFlag | None = None) -> dict:
             watchdog.stop()
 
 
-def _train(config: Config, rank: int, world: int, device: torch.device, stop: StopFlag
-           ) -> dict:
+def _train(config: Config, rank: int, world: int, device: torch.device, stop: StopFlag,
+           plan: RunPlan | None) -> dict:
     from megatron_rembert.training.engine import Trainer
 
     POSITION.set(step=0, phase="start-up")
-    plan, sha = check_inputs(config, world, device, rank)
+    plan, sha = check_inputs(config, world, device, rank, plan)
     layout = plan.layout
     meta = _meta(config, sha, plan)
     resume_folder, how = _find_resume(config, meta, layout)
@@ -266,9 +281,10 @@ def _train(config: Config, rank: int, world: int, device: torch.device, stop: St
                                       tokenizer_sha256=sha, consumed_samples=consumed)
     POSITION.set(phase="signal agreement")
     if stop.agreed():  # a stop request during start-up: nothing new to save
-        log.console(f"{stop.name or 'a signal'} during start-up: nothing new to save; exiting")
+        log.console(f"{stop.name or 'a signal to another rank'} during start-up: nothing new "
+                    "to save; exiting")
         log.close()
-        return {"step": step, "last_saved": step or None, "last": {},
+        return {"step": step, "last_saved": step or None, "last": {}, "stopped": True,
                 "save_dir": config.train.save_dir, "log_dir": config.train.log_dir}
     flops_token = flops_per_token(config.model, data.seq_length, data.mask_prob)["training"]
     peak = peak_flops(device)
@@ -316,10 +332,14 @@ def _train(config: Config, rank: int, world: int, device: torch.device, stop: St
                                  train_cfg.keep_last, train_cfg.max_weight_abs)
             last_saved = step
         if stopping:
-            log.console(f"signal received: saved step {step}, exiting for requeue")
+            kept = (f"saved step {step}" if last_saved == step else
+                    f"step {step} not saved (non-finite loss); last checkpoint: "
+                    f"{f'step {last_saved}' if last_saved else 'none'}")
+            log.console(f"signal received ({stop.name or 'by another rank'}): {kept}, "
+                        "exiting for requeue")
             break
     log.close()
-    return {"step": step, "last_saved": last_saved, "last": last,
+    return {"step": step, "last_saved": last_saved, "last": last, "stopped": stop.stopping,
             "save_dir": train_cfg.save_dir, "log_dir": train_cfg.log_dir}
 
 

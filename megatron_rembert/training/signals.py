@@ -1,10 +1,17 @@
 """Stop requests: SIGTERM, SIGUSR1 (SLURM's warning before the time limit) and SIGINT (Ctrl-C).
 
-Installed before any heavy import, so that a signal during start-up is remembered instead of
-killing the rank. The ranks agree on the flag at each step boundary (and once before the
-first step) with one tiny all-reduce, then save and exit 0; a request during start-up exits 0
-with nothing new to save. A second Ctrl-C exits at once with 130, without saving: `latest`
-still names the last complete checkpoint. Repeated SIGTERM / SIGUSR1 only set the flag again.
+train.py installs the handlers on its first line, before torch, DeepSpeed or the rest of this
+package are imported, so that a signal at any moment of a rank's life is remembered instead
+of killing it or raising KeyboardInterrupt, and they stay installed until the process ends.
+The ranks agree on the flag with one tiny all-reduce: right after the process group is up
+(a request during the imports or the rendezvous), before the first step (during the model
+build or the resume) and at each step boundary, then save (at a step boundary) and exit 0; a
+request during start-up exits 0 with nothing new to save. A second Ctrl-C exits at once with
+130, without saving: `latest` still names the last complete checkpoint. Repeated SIGTERM /
+SIGUSR1 only set the flag again. The data loader's workers leave the signals to their rank
+(data/loader.py).
+
+This module imports only the standard library at its top: it is imported before anything else.
 """
 
 from __future__ import annotations
@@ -27,9 +34,16 @@ class StopFlag:
     def __init__(self):
         self.raised = False
         self.name = ""
+        self.in_use = False  # set once training begins: the handlers then stay
+        self.stopping = False  # the ranks' last agreement: stop
         self._first_interrupt: float | None = None
-        for sig in SIGNALS:
-            signal.signal(sig, self._handle)
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
+
+    def restore(self) -> None:
+        """Put back the handlers found at install time (for callers that live on, e.g. tests
+        calling train.main in their own process)."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
     def _handle(self, signum, frame):
         if signum == signal.SIGINT:
@@ -52,4 +66,5 @@ class StopFlag:
         from megatron_rembert.parallel import comm
 
         (flag,) = comm.all_reduce_values([1.0 if self.raised else 0.0], op=dist.ReduceOp.MAX)
-        return flag > 0
+        self.stopping = flag > 0
+        return self.stopping
