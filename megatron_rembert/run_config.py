@@ -312,11 +312,13 @@ def check_config(config: Config) -> DataPlan:
     return DataPlan.resolve(config.data, train.steps, config.eval.mask_prob)
 
 
-def check_settings(config: Config) -> None:
+def check_settings(config: Config) -> DataPlan:
     """Every check that needs no world size: `check_config`, and the paths (train.save_dir
-    and train.log_dir writable). What train.py runs before any heavy import."""
-    check_config(config)
+    and train.log_dir writable). What train.py runs before any heavy import; returns
+    `check_config`'s data plan, for the run plan (`RunPlan.build(..., data=)`)."""
+    data = check_config(config)
     check_paths(config)
+    return data
 
 
 def _coerce(value, annotation, key: str):

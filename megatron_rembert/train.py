@@ -65,7 +65,7 @@ def _main(argv: list[str] | None, stop: StopFlag) -> int:
     launch = launch_env()  # the launcher's variables, checked before anything uses them
     config = load_config(args.config, args.set)
     # Every check that needs no world size, before torch.distributed, DeepSpeed or the model.
-    check_settings(config)
+    data_plan = check_settings(config)
     if config.parallel.ds_config:  # read and checked here, --dry-run included
         from megatron_rembert.training.optim import load_ds_config
 
@@ -83,7 +83,7 @@ def _main(argv: list[str] | None, stop: StopFlag) -> int:
     # The run plan, resolved once: a real run's is this rank's (the launcher's RANK), which
     # the training loop takes as it is.
     plan = RunPlan.build(config, world or (par.tp * par.pp if args.dry_run else 1),
-                         0 if args.dry_run else launch.rank)
+                         0 if args.dry_run else launch.rank, data=data_plan)
     local_world = launch.local_world_size or 1  # ranks on this node, as the launcher says
     if args.dry_run:
         from megatron_rembert.training.dry_run import dry_run_report

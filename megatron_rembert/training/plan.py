@@ -32,10 +32,12 @@ class RunPlan:
     lr: LRSchedule
 
     @classmethod
-    def build(cls, config: Config, world_size: int, rank: int = 0) -> RunPlan:
+    def build(cls, config: Config, world_size: int, rank: int = 0,
+              data: DataPlan | None = None) -> RunPlan:
         """Check `config` (ConfigError naming the key) and resolve the run of `world_size`
-        processes as seen from `rank`."""
-        data = check_config(config)
+        processes as seen from `rank`. `data`: what `check_config` (or `check_settings`)
+        returned for this config when the caller ran it already; its checks are then done."""
+        data = data if data is not None else check_config(config)
         train = config.train
         layout = Layout.build(world_size, rank, tp=config.parallel.tp, pp=config.parallel.pp,
                               micro_batch_size=train.micro_batch_size,

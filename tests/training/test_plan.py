@@ -12,10 +12,12 @@ from tests.distributed import run_distributed
 from tests.training.test_loop import overrides
 
 
-def _count_derivations(rank, world_size, sets):
-    """Run train() from configs/tiny.yaml, counting on this rank every computation of the
-    stage split, of the phase schedule and of P, and recording the plan it built."""
+def _count_derivations(rank, world_size, sets, entry="loop"):
+    """Run train() from configs/tiny.yaml (entry "loop"), or train.py's main() as torchrun
+    starts it (entry "train.py"), counting on this rank every computation of the stage
+    split, of the phase schedule and of P, and recording the plan it built."""
     import sys
+    from pathlib import Path
 
     from megatron_rembert.data import masking, schedule
     from megatron_rembert.run_config import load_config
@@ -53,13 +55,22 @@ def _count_derivations(rank, world_size, sets):
         return plan
 
     RunPlan.build = classmethod(build)
-    summary = loop.train(load_config("configs/tiny.yaml", sets))
+    if entry == "loop":
+        step = loop.train(load_config("configs/tiny.yaml", sets))["step"]
+    else:
+        from megatron_rembert.train import main
+
+        assert main(["--config", "configs/tiny.yaml",
+                     *(a for item in sets for a in ("--set", item))]) == 0
+        save_dir = next(s.split("=", 1)[1] for s in sets if s.startswith("train.save_dir="))
+        step = int(Path(save_dir, "latest").read_text().strip().removeprefix("step_"))
     (plan,) = built
-    return counts, summary["step"], plan.stage_boundaries, plan.data.max_predictions
+    return counts, step, plan.stage_boundaries, plan.data.max_predictions
 
 
 @pytest.mark.multiprocess
-def test_a_pipeline_run_resolves_its_plan_once_per_rank(tmp_path, tiny_dataset):
+@pytest.mark.parametrize("entry", ["loop", "train.py"])
+def test_a_pipeline_run_resolves_its_plan_once_per_rank(tmp_path, tiny_dataset, entry):
     """pp = 2 with validation and a save: on each rank the stage split, the schedule and P are
     computed once (before the plan: 3 stage splits per start, and the schedule again in the
     loader, the validation set at every evaluation and the checks); the checkpoint records the
@@ -68,7 +79,8 @@ def test_a_pipeline_run_resolves_its_plan_once_per_rank(tmp_path, tiny_dataset):
         "train.steps": 2, "train.eval_interval": 1, "train.save_interval": 2,
         "optim.decay_start_step": 0,
         "parallel.pp": 2, "parallel.zero_stage": 1, "train.precision": "fp32"})
-    results = run_distributed(_count_derivations, 2, sets)
+    results = run_distributed(_count_derivations, 2, sets, entry,
+                              init_process_group=entry == "loop")
     for counts, step, boundaries, predictions in results:
         assert counts == {"stage_plan": 1, "Schedule": 1, "default_max_predictions": 1}
         assert step == 2 and boundaries == results[0][2]
