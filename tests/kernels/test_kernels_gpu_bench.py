@@ -105,13 +105,18 @@ def test_time_loss_runs_each_chunk_size(bench: ModuleType, monkeypatch: pytest.M
 
     monkeypatch.setattr(bench, "linear_cross_entropy", spy)
     monkeypatch.setattr(bench, "fwd_bwd_ms", one_step)
-    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
-    for name in ("reset_peak_memory_stats", "memory_allocated", "max_memory_allocated"):
-        monkeypatch.setattr(torch.cuda, name, lambda: 0)
+    _without_cuda_calls(monkeypatch)
     bench.time_loss(torch.float32, 40, 300, 16, [0, 8, 32], device="cpu")
     assert seen == [None, 8, 32]
     out = capsys.readouterr().out
     assert "ours, 8 rows a chunk" in out and "compile" in out
+
+
+def _without_cuda_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bench's CUDA-only calls (compile for the baseline, memory counters) made no-ops."""
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+    for name in ("reset_peak_memory_stats", "memory_allocated", "max_memory_allocated"):
+        monkeypatch.setattr(torch.cuda, name, lambda: 0)
 
 
 def test_head_arguments(bench: ModuleType) -> None:
@@ -157,9 +162,7 @@ def test_time_head_runs_each_chunk_and_keep(bench: ModuleType, monkeypatch: pyte
 
     monkeypatch.setattr(parallel_ce, "linear_cross_entropy", spy)
     monkeypatch.setattr(bench, "fwd_bwd_ms", one_step)
-    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
-    for name in ("reset_peak_memory_stats", "memory_allocated", "max_memory_allocated"):
-        monkeypatch.setattr(torch.cuda, name, lambda: 0)
+    _without_cuda_calls(monkeypatch)
     figures = bench.time_head(torch.float32, 2, 5, [0, 8], [0.0, 1.0], preset="tiny", seq=16,
                               device="cpu")
     assert seen == [(None, 0.0), (None, 1.0), (8, 0.0), (8, 1.0)]
