@@ -21,8 +21,9 @@ measures the trainer's real step instead (DeepSpeed, bf16 + ds_configs/zero1_bf1
 gradient accumulation, one GPU), with its peak memory against train.py --dry-run's estimate.
 `--engine` measures what the engine costs: the trainer's step (training.engine.Trainer with the
 production DeepSpeed config of the precision: bf16 + zero1_bf16.json, or fp32 + cpu_fp32.json)
-against the bare model + torch's fused AdamW on the same batches, at each accumulation in
-`--engine-gas`, with the parts of the bare step (forward + backward per micro-batch, optimizer).
+against the bare model + torch's fused AdamW (after clipping the gradient as the trainer
+does) on the same batches, at each accumulation in `--engine-gas`, with the parts of the bare
+step (forward + backward per micro-batch, optimizer).
 
     python bench/train_throughput.py [--steps 3] [--batch 16] [--seq 128] [--gpu-only]
     python bench/train_throughput.py --trainer [--gpu-batch 16] [--gas 2] [--steps 3]
@@ -172,9 +173,11 @@ def deepspeed_step_time(config: ModelConfig, batches: list[dict]) -> float:
 
 
 def bare_step_time(config: ModelConfig, dtype: torch.dtype, mixed: bool,
-                   batches: list[list[dict]], steps: int, device: torch.device, sync
-                   ) -> tuple[float, dict]:
+                   batches: list[list[dict]], steps: int, device: torch.device, sync,
+                   clip: float) -> tuple[float, dict]:
     """Seconds per step of the bare model + torch's fused AdamW, and the median of its parts.
+    The gradient is clipped to norm `clip` first (torch's foreach clip_grad_norm_), as the
+    trainer clips it: the same optimizer step.
 
     mixed=False: the model in `dtype`, gradients accumulated by autograd, AdamW on the
     parameters themselves (bf16 weights and moments: a lower bound, not a recipe anyone
@@ -201,6 +204,8 @@ def bare_step_time(config: ModelConfig, dtype: torch.dtype, mixed: bool,
         if mixed:
             for master, p in zip(masters, params, strict=True):
                 master.grad = p.grad.float()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(masters, clip, foreach=True)
         optimizer.step()
         if mixed:
             with torch.no_grad():
@@ -238,17 +243,18 @@ def engine_comparison(config: ModelConfig, precision: str, micro: int, seq: int,
     for gas in gas_values:
         batches = [[make_batch(config, micro, seq, step * gas + i, "cpu") for i in range(gas)]
                    for step in range(steps + 1)]  # on the host, as the loader delivers them
-        bare_rows = {}
-        for mixed in ([False, True] if dtype != torch.float32 else [False]):
-            bare_rows[mixed] = bare_step_time(config, dtype, mixed, batches, steps, device, sync)
-            gc.collect()
-        bare, bare_parts = bare_rows[False]
         run = Config(model=config, train=TrainConfig(
             global_batch_size=micro * gas, micro_batch_size=micro, precision=precision, seed=0))
         run.data.seq_length = seq
         run.optim.lr, run.optim.warmup_steps, run.parallel.zero_stage = 1e-4, 1, 1
         json_name = "zero1_bf16.json" if precision == "bf16" else "cpu_fp32.json"
         run.parallel.ds_config = str(root / "ds_configs" / json_name)
+        bare_rows = {}
+        for mixed in ([False, True] if dtype != torch.float32 else [False]):
+            bare_rows[mixed] = bare_step_time(config, dtype, mixed, batches, steps, device, sync,
+                                              run.optim.clip_grad)
+            gc.collect()
+        bare, bare_parts = bare_rows[False]
         plan = RunPlan.build(run, 1)
         state.initialize_model_parallel(plan.layout)
         trainer = Trainer(run, plan, device)
@@ -308,9 +314,11 @@ def engine_report(args) -> None:
               f"{r['bare']:10.3f} {mixed or float('nan'):8.3f} {r['trainer']:9.3f} "
               f"{r['bare'] / r['trainer']:12.3f}x "
               f"{(mixed or float('nan')) / r['trainer']:15.3f}x  ({r['wrapper']})")
-    print("bare: bf16 weights and AdamW moments (a lower bound); bare mp: the plain "
-          "mixed-precision loop (fp32 masters, gradients converted once per step, weights "
-          "copied back), what the engine replaces")
+    print(f"bare: the model in {args.precision} + fused AdamW on its own weights, the "
+          "gradient clipped first as the trainer clips it"
+          + ("; in bf16 weights and moments are bf16 (a lower bound); bare mp: the plain "
+             "mixed-precision loop (fp32 masters, gradients converted once per step, weights "
+             "copied back), what the engine replaces" if args.precision != "fp32" else ""))
     for r in rows:
         t = r["trainer_metrics"]
         mfu = "n/a" if t["mfu"] is None else f"{t['mfu']:.1%}"

@@ -18,13 +18,20 @@ PRIVATE_NAMES = {
     "deepspeed.runtime.engine.DeepSpeedEngine": ("_copy_recovery_script",),
     "deepspeed.runtime.bf16_optimizer.BF16_Optimizer": ("_lazy_init_hp_params_optimizer_state",),
     "deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer": (
-        "_lazy_init_hp_params_optimizer_state",),
+        "_lazy_init_hp_params_optimizer_state", "_link_all_hp_params"),
 }
 # Instance attributes of a built BF16_Optimizer that training/main_grads.py reads.
 BF16_BUFFERS = ("bf16_groups", "fp32_groups_gradients", "fp32_groups_gradients_flat",
                 "fp32_groups_flat_partition", "fp32_groups_gradient_flat_partition",
                 "update_lp_params", "optimizer", "clip_grad", "overflow",
                 "_hp_optimizer_states_linked")
+# Instance attributes of a built DeepSpeedZeroOptimizer that training/main_grads.py reads or
+# replaces (fp32 weights, ZeRO-1).
+ZERO1_BUFFERS = ("bit16_groups", "bit16_groups_flat", "parallel_partitioned_bit16_groups",
+                 "single_partition_of_fp32_groups", "real_dp_process_group", "groups_padding",
+                 "partition_gradients", "cpu_offload", "dtype", "master_weights_and_grads_dtype",
+                 "torch_autocast_gradscaler", "_grad_acc_hooks", "update_lp_params",
+                 "optimizer", "clip_grad", "overflow", "_hp_optimizer_states_linked")
 # (lp-parameter groups, flat fp32 partitions) of the wrappers that partition: ZeRO 1 and 2,
 # and the BF16_Optimizer (training/lamb.py and training/full_tensors.py read them).
 FLAT_PARTITIONS = (("bit16_groups", "single_partition_of_fp32_groups"),
@@ -68,6 +75,69 @@ def check_bf16_optimizer(optimizer) -> None:
     for name in BF16_BUFFERS:
         if not hasattr(optimizer, name):
             raise _missing(f"{type(optimizer).__name__} has no attribute {name}")
+
+
+def is_fp32_zero1(optimizer) -> bool:
+    """DeepSpeedZeroOptimizer at ZeRO-1 with fp32 weights, master weights and gradients, nothing
+    offloaded: the wrapper training/main_grads.py can take the gradient path of."""
+    import torch
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if not isinstance(optimizer, DeepSpeedZeroOptimizer):
+        return False
+    for name in ZERO1_BUFFERS:
+        if not hasattr(optimizer, name):
+            raise _missing(f"{type(optimizer).__name__} has no attribute {name}")
+    return (not optimizer.partition_gradients and not optimizer.cpu_offload
+            and optimizer.dtype == torch.float32
+            and optimizer.master_weights_and_grads_dtype == torch.float32
+            and optimizer.torch_autocast_gradscaler is None
+            and not getattr(optimizer, "zenflow", False))
+
+
+def zero_dp_group(optimizer, group: int):
+    """The process group ZeRO partitions parameter group `group` over."""
+    return optimizer.real_dp_process_group[group]
+
+
+def replace_fp32_partitions(optimizer, masters: list) -> None:
+    """Make `masters` (one flat fp32 tensor per parameter group, of the partitions' sizes) the
+    ZeRO optimizer's master partitions, before its first step: the inner optimizer steps them,
+    DeepSpeed saves and loads them, and each parameter's fragment mapping points into them.
+    A master that is a slice of a larger buffer is saved as a copy of its own (torch.save
+    writes a view's whole storage: every DP rank would write the whole model)."""
+    from deepspeed.checkpoint.constants import SINGLE_PARTITION_OF_FP32_GROUPS
+
+    if optimizer.optimizer.state:
+        raise RuntimeError("ZeRO's master partitions can only be replaced before the first step")
+    for i, master in enumerate(masters):
+        old = optimizer.single_partition_of_fp32_groups[i]
+        if master.shape != old.shape or master.dtype != old.dtype:
+            raise RuntimeError(f"ZeRO's master partition {i} is {tuple(old.shape)} {old.dtype}, "
+                               f"the replacement {tuple(master.shape)} {master.dtype}")
+        optimizer.single_partition_of_fp32_groups[i] = master
+        optimizer.optimizer.param_groups[i]["params"] = [master]
+    optimizer._link_all_hp_params()
+    optimizer._hp_optimizer_states_linked = False
+    state_dict = optimizer.state_dict
+
+    def state_dict_of_own_partitions():
+        sd = state_dict()
+        sd[SINGLE_PARTITION_OF_FP32_GROUPS] = [
+            t.clone() if t.untyped_storage().nbytes()
+            > (t.numel() + optimizer.groups_padding[i]) * t.element_size() else t
+            for i, t in enumerate(sd[SINGLE_PARTITION_OF_FP32_GROUPS])]
+        return sd
+
+    optimizer.state_dict = state_dict_of_own_partitions
+
+
+def remove_zero_gradient_hooks(optimizer) -> None:
+    """Remove the ZeRO optimizer's per-parameter gradient hooks (they copy each gradient into
+    its reduction buckets)."""
+    for handle in optimizer._grad_acc_hooks:
+        handle.remove()
+    optimizer._grad_acc_hooks.clear()
 
 
 def relink_optimizer_state(optimizer) -> None:

@@ -8,7 +8,7 @@ Loss normalisation is layout-independent: the gradient is that of
     sum of per-token losses over the global batch / number of real masked tokens in it,
 so each micro-batch's backward gets `loss_sum * gas * dp / global_tokens` (DeepSpeed divides
 by the gradient-accumulation steps and averages over DP), or `loss_sum * gas / global_tokens`
-where training/main_grads.py sums over DP instead (bf16 with ZeRO-1).
+where training/main_grads.py sums over DP instead (ZeRO-1 in bf16 or fp32).
 
 Both branches run a global batch the same way: `_prepare` makes a `_StepContext` (that batch's
 loss factor and running statistics), and every micro-batch's `MLMLoss` goes through its
@@ -38,10 +38,10 @@ from megatron_rembert.parallel.fp8 import enable_fp8
 from megatron_rembert.parallel.layers import init_weights, is_tp_sharded
 from megatron_rembert.parallel.random import checkpoint_safe
 from megatron_rembert.run_config import Config
-from megatron_rembert.training import deepspeed_private
+from megatron_rembert.training import deepspeed_private, main_grads
 from megatron_rembert.training.hang import POSITION
 from megatron_rembert.training.lamb import Lamb
-from megatron_rembert.training.main_grads import MainGradients, uses_bf16_optimizer
+from megatron_rembert.training.main_grads import MainGradients
 from megatron_rembert.training.optim import build_optimizer, build_scheduler, deepspeed_config
 from megatron_rembert.training.plan import RunPlan
 
@@ -135,10 +135,10 @@ class Trainer:
             mpu=None if self.pipeline else state.DeepSpeedMPU())
         if isinstance(optimizer, Lamb) and self.optimizer is not optimizer:
             optimizer.use_flat_partitions(self.optimizer)
-        # bf16 with ZeRO-1 (the production setting): fp32 main gradients accumulated and
-        # reduced by us, in DeepSpeed's own buffers (training/main_grads.py).
+        # ZeRO-1 in bf16 (the production setting) or fp32: fp32 main gradients accumulated
+        # and reduced by us (training/main_grads.py).
         self.main_grads = (MainGradients(self.engine, self.pipeline)
-                           if uses_bf16_optimizer(self.optimizer) else None)
+                           if main_grads.applies(config) else None)
         # DeepSpeed averages gradients over DP; with main gradients the DP reduction is a sum.
         self.dp_average = self.main_grads is None
         if self.pipeline:

@@ -18,6 +18,7 @@ from megatron_rembert.model.partition import (
 from megatron_rembert.model.pipeline import pipeline_layer_costs
 from megatron_rembert.parallel.layout import Layout
 from megatron_rembert.run_config import Config
+from megatron_rembert.training import main_grads
 
 
 @dataclass
@@ -40,45 +41,59 @@ MEMORY_KEYS = ("parameters", "gradients", "optimizer_states", "optimizer_step", 
 
 
 def _bytes_per_parameter(config: Config, layout: Layout) -> dict[str, float]:
-    """Bytes per parameter at the peak of a step, as DeepSpeed (0.19) holds them; measured
-    per term with a single-process engine (bench/full_scale.py checks the sum on the real
-    model, rank by rank).
+    """Bytes per parameter at the peak of a step, as the trainer holds them; measured per term
+    with a single-process engine (bench/full_scale.py checks the sum on the real model, rank by
+    rank).
 
     - parameters: the training precision (DeepSpeed flattens them into one buffer per group).
-    - gradients: the same precision, plus an fp32 accumulation buffer for bf16/fp16 (DeepSpeed's
-      BF16_Optimizer or its ZeRO gradient-accumulation attribute); whole up to ZeRO-1, sharded
-      over DP by ZeRO-2.
+    - gradients: on the main-gradient path (ZeRO-1 in bf16 or fp32, training/main_grads.py)
+      one fp32 buffer, autograd's gradients freed parameter by parameter as they are added.
+      Otherwise the training precision, plus an fp32 accumulation buffer for fp16/bf16
+      (DeepSpeed's ZeRO gradient-accumulation attribute); whole up to ZeRO-1, sharded over DP
+      by ZeRO-2.
     - optimizer_states: Adam's two fp32 moments, and under ZeRO an fp32 master copy of the
-      weights, which DeepSpeed's ZeRO optimizer keeps even when training in fp32 (it clones
-      the flat fp32 weights); sharded over DP from ZeRO-1.
-    - optimizer_step: under ZeRO with gradient accumulation, a micro-batch's fresh gradients
-      while the accumulated ones are held (from the second micro-batch on); the flat fp32
-      gradient partition a ZeRO step builds from the gradients is as large. Without ZeRO
-      torch's fused AdamW steps in place.
-    Not per parameter: `gradient_copy` (see `_largest_parameters`).
+      weights; sharded over DP from ZeRO-1. In fp32 on the main-gradient path the master
+      partition is the weights themselves (no copy); DeepSpeed's own ZeRO path clones them.
+    - optimizer_step: on DeepSpeed's own ZeRO path, with gradient accumulation, a micro-batch's
+      fresh gradients while the accumulated ones are held (from the second micro-batch on); the
+      flat fp32 gradient partition a ZeRO step builds from the gradients is as large. The
+      main-gradient path and torch's fused AdamW without ZeRO step in place.
+    Not per parameter: `gradient_copy` (see `_gradient_copy`).
     """
     half = config.train.precision in ("bf16", "fp16")
     weight, zero, dp = (2 if half else 4), config.parallel.zero_stage, layout.dp
     optimizer_dp = dp if zero >= 1 else 1
+    if main_grads.applies(config):
+        return {"parameters": weight, "gradients": 4,
+                "optimizer_states": ((4 if half else 0) + 8) / optimizer_dp,
+                "optimizer_step": 0}
     return {"parameters": weight,
             "gradients": (weight + (4 if half else 0)) / (dp if zero >= 2 else 1),
             "optimizer_states": ((4 if zero >= 1 else 0) + 8) / optimizer_dp,
             "optimizer_step": (4 if zero >= 1 else 0) / optimizer_dp}
 
 
-def _largest_parameters(config: Config, layout: Layout) -> list[float]:
-    """Per pipeline layer, the elements of its largest parameter on one rank (TP shard): under
-    ZeRO, DeepSpeed's gradient-accumulation hook copies a fresh gradient into its fp32 buffer
-    one parameter at a time, so a stage briefly holds one extra fp32 gradient of that size on
-    top of the per-parameter terms (measured: the peak of a single-process engine rises by
+def _gradient_copy(config: Config, layout: Layout) -> list[float]:
+    """Per pipeline layer, the bytes of one fresh gradient of its largest parameter on one rank
+    (TP shard), held on top of the per-parameter terms while it is added into the accumulated
+    gradients. On DeepSpeed's own ZeRO path its gradient-accumulation hook copies each fresh
+    gradient into an fp32 buffer (measured: the peak of a single-process engine rises by
     exactly the largest parameter's fp32 gradient; on rembert's last stage the output
-    embedding shard, 0.78 GiB at tp 2)."""
+    embedding shard, 0.78 GiB at tp 2). On the main-gradient path autograd's gradient, in the
+    training precision, lives until its hook has added it; the embeddings' gradients are added
+    by their kernels and never exist whole. Without ZeRO gradients accumulate in place."""
     from megatron_rembert.checkpoint.specs import param_specs
 
+    if main_grads.applies(config):
+        skip = main_grads.summed_by_kernels(config.model)
+        per_element = 2 if config.train.precision in ("bf16", "fp16") else 4
+    else:
+        skip, per_element = (), 4 if config.parallel.zero_stage >= 1 else 0
     largest = [0.0] * (config.model.num_hidden_layers + 2)
     for spec in param_specs(config.model, layout.tp):
-        numel = math.prod(spec.local_shape(layout.tp))
-        largest[spec.layer] = max(largest[spec.layer], float(numel))
+        if not spec.name.endswith(skip):
+            numel = math.prod(spec.local_shape(layout.tp))
+            largest[spec.layer] = max(largest[spec.layer], float(per_element * numel))
     return largest
 
 
@@ -128,8 +143,7 @@ def stage_plan(config: Config, layout: Layout, data: DataPlan) -> StagePlan:
     static = [p * sum(per_param.values()) for p in params]
     activations = _activation_bytes(config, layout, data.max_predictions)
     in_flight = [min(pp - i, layout.gas) for i in range(pp)]
-    copy = [4 * x if config.parallel.zero_stage >= 1 else 0.0
-            for x in _largest_parameters(config, layout)]
+    copy = _gradient_copy(config, layout)
     cap = config.parallel.stage_memory_gib * 2**30 or None
     try:
         bounds = balance_stages(flops, static, activations, in_flight, cap, copy)
