@@ -7,9 +7,9 @@ same batches, same process, measured side by side:
   ours-model RemBertForPreTraining (head and loss only at masked positions, fused chunked
              linear + cross-entropy) with the same default torch.optim.AdamW: the model alone
   ours       the same with our optimizer (training.optim.build_optimizer: fused AdamW)
-  ours+ds    the trainer's real step: DeepSpeed engine (1 gloo rank, ZeRO stage 0: nothing to
-             partition) around ours. On CPU DeepSpeed's gradient flattening copies cost
-             seconds per step for 480M parameters; on a GPU they are memory-bound copies.
+  ours+ds    the trainer's real step: DeepSpeed engine (1 gloo rank, fp32, ZeRO-1 with
+             ds_configs/cpu_fp32.json, as configs/demo.yaml and tiny.yaml train) around
+             ours, on the trainer's fp32 main-gradient path (training/main_grads.py).
 The ratio ours / hf is printed last.
 
 On a GPU it also reports tokens/s, TFLOP/s and MFU of the `rembert` preset (bf16, our model and
@@ -165,7 +165,9 @@ def deepspeed_step_time(config: ModelConfig, batches: list[dict]) -> float:
     b = batches[0]["input_ids"].shape[0]
     run = Config(model=config, train=TrainConfig(global_batch_size=b, micro_batch_size=b,
                                                   precision="fp32", seed=0))
-    run.optim.lr, run.optim.warmup_steps, run.parallel.zero_stage = 1e-4, 1, 0
+    run.optim.lr, run.optim.warmup_steps, run.parallel.zero_stage = 1e-4, 1, 1
+    run.parallel.ds_config = str(Path(__file__).resolve().parents[1] / "ds_configs"
+                                 / "cpu_fp32.json")
     plan = RunPlan.build(run, 1)  # one process, one micro-batch per step
     state.initialize_model_parallel(plan.layout)
     trainer = Trainer(run, plan, device=torch.device("cpu"))

@@ -50,7 +50,8 @@ def balance_stages(flops: list[float], static_bytes: list[float], activation_byt
     Per layer: `flops`, `static_bytes` (weights, gradients, optimizer states) and
     `activation_bytes` (one micro-batch). Stage i keeps `in_flight[i]` micro-batches of
     activations (1F1B: min(pp - i, accumulation steps)); `transient_bytes`, one buffer per layer
-    of which a stage holds the largest at a time (a copy of one parameter's gradient). Returns
+    of which a stage holds the largest at a time (a parameter's fresh gradient, or a layer's
+    weights copied for a checkpoint). Returns
     the boundaries
     [0, b1, ..., len(flops)]: stage i owns layers [b_i, b_i+1), DeepSpeed's `parts`.
     Exact (dynamic programming over stages x split points), so deterministic.

@@ -139,6 +139,10 @@ class Trainer:
         # and reduced by us (training/main_grads.py).
         self.main_grads = (MainGradients(self.engine, self.pipeline)
                            if main_grads.applies(config) else None)
+        if self.main_grads is None and config.parallel.zero_stage == 0 and plan.layout.dp == 1:
+            # fp32 without ZeRO on one DP rank: DeepSpeed's all-reduce would flatten, "reduce"
+            # and copy back every gradient for nothing (seconds per step on CPU)
+            deepspeed_private.disable_engine_gradient_reduction(self.engine, self.pipeline)
         # DeepSpeed averages gradients over DP; with main gradients the DP reduction is a sum.
         self.dp_average = self.main_grads is None
         if self.pipeline:

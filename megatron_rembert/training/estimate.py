@@ -36,7 +36,7 @@ class StagePlan:
 
 
 # The per-rank memory terms of `--dry-run`, in the order printed.
-MEMORY_KEYS = ("parameters", "gradients", "optimizer_states", "optimizer_step", "gradient_copy",
+MEMORY_KEYS = ("parameters", "gradients", "optimizer_states", "optimizer_step", "transient_copy",
                "activations")
 
 
@@ -58,7 +58,7 @@ def _bytes_per_parameter(config: Config, layout: Layout) -> dict[str, float]:
       fresh gradients while the accumulated ones are held (from the second micro-batch on); the
       flat fp32 gradient partition a ZeRO step builds from the gradients is as large. The
       main-gradient path and torch's fused AdamW without ZeRO step in place.
-    Not per parameter: `gradient_copy` (see `_gradient_copy`).
+    Not per parameter: `transient_copy` (see `_transient_copy`).
     """
     half = config.train.precision in ("bf16", "fp16")
     weight, zero, dp = (2 if half else 4), config.parallel.zero_stage, layout.dp
@@ -73,28 +73,34 @@ def _bytes_per_parameter(config: Config, layout: Layout) -> dict[str, float]:
             "optimizer_step": (4 if zero >= 1 else 0) / optimizer_dp}
 
 
-def _gradient_copy(config: Config, layout: Layout) -> list[float]:
-    """Per pipeline layer, the bytes of one fresh gradient of its largest parameter on one rank
-    (TP shard), held on top of the per-parameter terms while it is added into the accumulated
-    gradients. On DeepSpeed's own ZeRO path its gradient-accumulation hook copies each fresh
-    gradient into an fp32 buffer (measured: the peak of a single-process engine rises by
-    exactly the largest parameter's fp32 gradient; on rembert's last stage the output
-    embedding shard, 0.78 GiB at tp 2). On the main-gradient path autograd's gradient, in the
-    training precision, lives until its hook has added it; the embeddings' gradients are added
-    by their kernels and never exist whole. Without ZeRO gradients accumulate in place."""
+def _transient_copy(config: Config, layout: Layout) -> list[float]:
+    """Per pipeline layer, the bytes of the largest copy a rank holds for a moment on top of the
+    other terms while that layer is worked on (measured: each shows as the peak's excess over
+    the other terms, bench/full_scale.py):
+    - a fresh gradient of the layer's largest parameter (TP shard) being added into the
+      accumulated ones. On DeepSpeed's own ZeRO path its gradient-accumulation hook copies each
+      into an fp32 buffer (on rembert's last stage the output embedding shard, 0.78 GiB at
+      tp 2). On the main-gradient path autograd's gradient, in the training precision, lives
+      until its hook has added it; the embeddings' gradients are added by their kernels and
+      never exist whole. Without ZeRO gradients accumulate in place;
+    - at pp > 1, the layer's weights: DeepSpeed's pipeline engine saves a checkpoint one layer
+      at a time, each cloned to host memory first, and loads it one layer file at a time (on a
+      GPU that copy is in host memory: counted anyway, a bound)."""
     from megatron_rembert.checkpoint.specs import param_specs
 
+    weight = 2 if config.train.precision in ("bf16", "fp16") else 4
     if main_grads.applies(config):
-        skip = main_grads.summed_by_kernels(config.model)
-        per_element = 2 if config.train.precision in ("bf16", "fp16") else 4
+        skip, per_element = main_grads.summed_by_kernels(config.model), weight
     else:
         skip, per_element = (), 4 if config.parallel.zero_stage >= 1 else 0
-    largest = [0.0] * (config.model.num_hidden_layers + 2)
+    fresh = [0.0] * (config.model.num_hidden_layers + 2)
+    saved = [0.0] * len(fresh)
     for spec in param_specs(config.model, layout.tp):
+        numel = float(math.prod(spec.local_shape(layout.tp)))
+        saved[spec.layer] += weight * numel if layout.pp > 1 else 0.0
         if not spec.name.endswith(skip):
-            numel = math.prod(spec.local_shape(layout.tp))
-            largest[spec.layer] = max(largest[spec.layer], float(per_element * numel))
-    return largest
+            fresh[spec.layer] = max(fresh[spec.layer], per_element * numel)
+    return [max(a, b) for a, b in zip(fresh, saved, strict=True)]
 
 
 def _activation_bytes(config: Config, layout: Layout, predictions: int) -> list[float]:
@@ -143,7 +149,7 @@ def stage_plan(config: Config, layout: Layout, data: DataPlan) -> StagePlan:
     static = [p * sum(per_param.values()) for p in params]
     activations = _activation_bytes(config, layout, data.max_predictions)
     in_flight = [min(pp - i, layout.gas) for i in range(pp)]
-    copy = _gradient_copy(config, layout)
+    copy = _transient_copy(config, layout)
     cap = config.parallel.stage_memory_gib * 2**30 or None
     try:
         bounds = balance_stages(flops, static, activations, in_flight, cap, copy)
@@ -153,7 +159,7 @@ def stage_plan(config: Config, layout: Layout, data: DataPlan) -> StagePlan:
     stages = [range(bounds[i], bounds[i + 1]) for i in range(pp)]
     stage_params = [sum(params[k] for k in r) for r in stages]
     memory = [{**{key: n * b for key, b in per_param.items()},
-               "gradient_copy": max(copy[k] for k in stages[i]),
+               "transient_copy": max(copy[k] for k in stages[i]),
                "activations": in_flight[i] * sum(activations[k] for k in stages[i])}
               for i, n in enumerate(stage_params)]
     stage_flops = [sum(flops[k] for k in r) for r in stages]

@@ -63,4 +63,4 @@ def test_trainer_branch_runs_on_cpu():
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["tokens_per_s"] > 0 and result["mfu"] is None
     assert set(result["estimate_gib"]) == {"parameters", "gradients", "optimizer_states",
-                                           "optimizer_step", "gradient_copy", "activations"}
+                                           "optimizer_step", "transient_copy", "activations"}

@@ -14,6 +14,7 @@ pytestmark = pytest.mark.multiprocess  # every test here starts processes
     (1, 2, 1, 1, True),  # DeepSpeed's pipeline activation checkpointing
     (2, 1, 2, 2, True),  # ours (torch.utils.checkpoint per layer), ZeRO-2
     (3, 2, 1, 1, False),  # an odd TP size: 2 heads per rank, vocabulary padded to 3 x 384
+    (1, 1, 1, 0, False),  # no ZeRO on one rank: no wrapper, the engine's all-reduce skipped
 ])
 def test_layout_matches_single_process(tp, pp, dp, zero, recompute, layout_reference):
     expected, expected_eval, expected_moved = layout_reference
