@@ -95,11 +95,6 @@ def is_fp32_zero1(optimizer) -> bool:
             and not getattr(optimizer, "zenflow", False))
 
 
-def zero_dp_group(optimizer, group: int):
-    """The process group ZeRO partitions parameter group `group` over."""
-    return optimizer.real_dp_process_group[group]
-
-
 def replace_fp32_partitions(optimizer, masters: list) -> None:
     """Make `masters` (one flat fp32 tensor per parameter group, of the partitions' sizes) the
     ZeRO optimizer's master partitions, before its first step: the inner optimizer steps them,

@@ -40,6 +40,11 @@ MEMORY_KEYS = ("parameters", "gradients", "optimizer_states", "optimizer_step", 
                "activations")
 
 
+def _weight_bytes(config: Config) -> int:
+    """Bytes of one weight (or activation) element in the training precision."""
+    return 2 if config.train.precision in ("bf16", "fp16") else 4
+
+
 def _bytes_per_parameter(config: Config, layout: Layout) -> dict[str, float]:
     """Bytes per parameter at the peak of a step, as the trainer holds them; measured per term
     with a single-process engine (bench/full_scale.py checks the sum on the real model, rank by
@@ -60,8 +65,8 @@ def _bytes_per_parameter(config: Config, layout: Layout) -> dict[str, float]:
       main-gradient path and torch's fused AdamW without ZeRO step in place.
     Not per parameter: `transient_copy` (see `_transient_copy`).
     """
-    half = config.train.precision in ("bf16", "fp16")
-    weight, zero, dp = (2 if half else 4), config.parallel.zero_stage, layout.dp
+    weight, zero, dp = _weight_bytes(config), config.parallel.zero_stage, layout.dp
+    half = weight == 2
     optimizer_dp = dp if zero >= 1 else 1
     if main_grads.applies(config):
         return {"parameters": weight, "gradients": 4,
@@ -88,7 +93,7 @@ def _transient_copy(config: Config, layout: Layout) -> list[float]:
       GPU that copy is in host memory: counted anyway, a bound)."""
     from megatron_rembert.checkpoint.specs import param_specs
 
-    weight = 2 if config.train.precision in ("bf16", "fp16") else 4
+    weight = _weight_bytes(config)
     if main_grads.applies(config):
         skip, per_element = main_grads.summed_by_kernels(config.model), weight
     else:
@@ -119,7 +124,7 @@ def _activation_bytes(config: Config, layout: Layout, predictions: int) -> list[
     m, tp = config.model, layout.tp
     s, b, h, a = config.data.seq_length, layout.micro_batch_size, m.hidden_size, \
         m.num_attention_heads
-    scale = 1 if config.train.precision in ("bf16", "fp16") else 2
+    scale = _weight_bytes(config) // 2
     attention = (5 * a * s * s * b if m.attention_backend == "fused_softmax"
                  else 4 * a * s * b / scale)  # the logsumexp is fp32 in either precision
     layer = 2 * s * b * h if config.parallel.activation_checkpointing else \

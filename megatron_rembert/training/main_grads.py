@@ -120,7 +120,7 @@ def _fp32_zero1_buffers(opt) -> _Buffers:
         for param in group:
             start = _offset(param.data, flat)
             params.append((param, grads[start:start + param.numel()].view(param.shape)))
-        rank = torch.distributed.get_rank(group=deepspeed_private.zero_dp_group(opt, i))
+        rank = torch.distributed.get_rank(group=opt.real_dp_process_group[i])
         lp = opt.parallel_partitioned_bit16_groups[i][rank]
         start = _offset(lp, flat)
         master = lp.detach().requires_grad_(True)  # as DeepSpeed's, for the inner optimizer
