@@ -1,0 +1,46 @@
+"""Sentence retrieval between a language and English, as XTREME's Tatoeba and BUCC tasks:
+mean-pooled hidden states of one layer, cosine similarity, accuracy@1 in both directions.
+
+Pure tensor math on one process: the callers (eval.cli, the trainer's periodic retrieval)
+produce the hidden states.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """hidden: B x S x H; attention_mask: B x S (1 = real token). Returns B x H fp32: the mean
+    of the real tokens' states (a row without real tokens gives zeros)."""
+    mask = attention_mask.to(torch.float32).unsqueeze(-1)  # B x S x 1
+    summed = (hidden.to(torch.float32) * mask).sum(dim=1)  # B x H
+    return summed / mask.sum(dim=1).clamp(min=1.0)
+
+
+def cosine_matrix(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a: N x H, b: M x H. Returns N x M cosine similarities (fp32; a zero row scores 0)."""
+    a = torch.nn.functional.normalize(a.to(torch.float32), dim=-1)
+    b = torch.nn.functional.normalize(b.to(torch.float32), dim=-1)
+    return a @ b.T
+
+
+def accuracy_at_1(src: torch.Tensor, tgt: torch.Tensor) -> tuple[float, float]:
+    """src, tgt: N x H embeddings of N aligned pairs (row i of src translates row i of tgt).
+
+    Returns (src -> tgt, tgt -> src) accuracy@1: the share of rows whose nearest neighbour by
+    cosine on the other side is its own translation. Ties go to the lowest index (argmax), so
+    identical embeddings everywhere score 1/N at best, not 1."""
+    if src.shape != tgt.shape or src.dim() != 2:
+        raise ValueError(f"accuracy_at_1 needs two N x H tensors of one shape, got "
+                         f"{tuple(src.shape)} and {tuple(tgt.shape)}")
+    sim = cosine_matrix(src, tgt)  # N x N
+    gold = torch.arange(sim.shape[0])
+    forward = (sim.argmax(dim=1) == gold).float().mean().item()
+    backward = (sim.argmax(dim=0) == gold).float().mean().item()
+    return forward, backward
+
+
+def chance(n_pairs: int) -> float:
+    """Expected accuracy@1 of a random ranking of n_pairs candidates."""
+    return 1.0 / n_pairs if n_pairs else 0.0

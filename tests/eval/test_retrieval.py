@@ -1,0 +1,44 @@
+"""Retrieval math against independent references: identical sides score 1, shuffled pairs
+score near chance, mean pooling ignores padding."""
+
+import torch
+
+from megatron_rembert.eval.retrieval import accuracy_at_1, chance, mean_pool
+
+
+def test_identical_sides_give_accuracy_one():
+    emb = torch.randn(50, 16, generator=torch.Generator().manual_seed(0))
+    assert accuracy_at_1(emb, emb.clone()) == (1.0, 1.0)
+
+
+def test_shuffled_pairs_score_near_chance():
+    gen = torch.Generator().manual_seed(1)
+    n = 400
+    src = torch.randn(n, 32, generator=gen)
+    tgt = src[torch.randperm(n, generator=gen)]  # right vectors, wrong pairing
+    fwd, bwd = accuracy_at_1(src, tgt)
+    # A random permutation has on average one fixed point: expect ~1/n, never more than a few.
+    assert fwd <= 5 / n and bwd <= 5 / n
+    assert chance(n) == 1 / n
+
+
+def test_accuracy_matches_a_naive_loop_in_both_directions():
+    gen = torch.Generator().manual_seed(2)
+    src = torch.randn(100, 8, generator=gen)
+    tgt = src + 1.2 * torch.randn(100, 8, generator=gen)  # noisy: some pairs are missed
+    cos = torch.nn.functional.cosine_similarity
+
+    def naive(a, b):
+        return sum(int(cos(a[i:i + 1], b).argmax() == i) for i in range(len(a))) / len(a)
+
+    fwd, bwd = accuracy_at_1(src, tgt)
+    assert 0.05 < fwd < 1.0  # the case is neither trivial nor hopeless
+    assert abs(fwd - naive(src, tgt)) < 1e-9 and abs(bwd - naive(tgt, src)) < 1e-9
+
+
+def test_mean_pool_ignores_padding():
+    hidden = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    pooled = mean_pool(hidden, mask)
+    assert torch.equal(pooled[0], (hidden[0, 0] + hidden[0, 1]) / 2)
+    assert torch.equal(pooled[1], hidden[1, 0])
