@@ -1,0 +1,152 @@
+"""The table and plot of the embedding-coupling experiment, from its committed result files.
+
+    python experiments/embedding_coupling/report.py [--scale cpu] [--tag sweep] [--plot FILE]
+
+Prints a Markdown table (one row per variant: mean and spread over pre-training seeds, then the
+step-0, bag-of-tokens and chance rows) for docs/experiments.md, and with --plot draws the
+validation curves and the transfer figures (matplotlib, `pip install -e '.[plot]'`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from variants import VARIANTS
+
+HERE = Path(__file__).resolve().parent
+
+
+def load(scale: str, tag: str) -> dict[str, list[dict]]:
+    """Result files of one scale and tag, by variant in VARIANTS' order."""
+    runs: dict[str, list[dict]] = {}
+    for path in sorted((HERE / "results" / scale / tag).glob("*.json")):
+        result = json.loads(path.read_text())
+        runs.setdefault(result["variant"], []).append(result)
+    return {v: sorted(runs[v], key=lambda r: r["seed"]) for v in VARIANTS if v in runs}
+
+
+def both_ways(entry: dict) -> float:
+    """Retrieval accuracy@1, the mean of the two directions."""
+    return (entry["to_en"] + entry["from_en"]) / 2
+
+
+def figures(result: dict, encoder: str = "model") -> dict[str, float | None]:
+    """The numbers of one run's table row (encoder: "model" or "step0")."""
+    ev, valid = result["eval"], result["metrics"]["valid"] or {}
+    retrieval = ev.get("retrieval", {})
+    per_layer = retrieval.get("per_layer", {}).get(encoder, [])
+    best = max((both_ways(x["average"]) for x in per_layer), default=None)
+    transfer = ev.get("classification", {}).get("average_transfer", {}).get(encoder, {})
+    return {
+        "retrieval": both_ways(retrieval["average"][encoder]) if retrieval else None,
+        "retrieval_best_layer": best,
+        "zero_shot": transfer.get("mean"),
+        "zero_shot_seed_std": transfer.get("std"),
+        "valid_loss": valid.get("loss") if encoder == "model" else None,
+        "valid_loss_lang_avg": valid.get("loss_lang_avg") if encoder == "model" else None,
+    }
+
+
+def spread(values: list[float | None]) -> str:
+    """mean ± sample standard deviation over seeds (just the mean for one seed)."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    mean = statistics.fmean(values)
+    return (f"{mean:.3f} ± {statistics.stdev(values):.3f}" if len(values) > 1
+            else f"{mean:.3f}")
+
+
+def table(runs: dict[str, list[dict]]) -> str:
+    head = ("| variant | E_in / E_out / layers | params pre-train / fine-tune | tokens | seeds "
+            "| valid MLM loss (lang avg) | retrieval avg (middle layer) | retrieval, best layer "
+            "| zero-shot acc (transfer avg) |")
+    lines = [head, "|" + "---|" * 9]
+    for variant, results in runs.items():
+        first = results[0]
+        m = first["model"]
+        rows = [figures(r) for r in results]
+        tied = " tied" if m["tie_embeddings"] else ""
+        lines.append(
+            f"| {variant} | {m['input_embedding_size']} / {m['output_embedding_size']}{tied} / "
+            f"{m['num_hidden_layers']} | {first['parameters']['pretraining'] / 1e6:.2f}M / "
+            f"{first['parameters']['finetuning'] / 1e6:.2f}M | {first['tokens'] / 1e6:.1f}M | "
+            f"{len(results)} | {spread([r['valid_loss_lang_avg'] for r in rows])} | "
+            f"{spread([r['retrieval'] for r in rows])} | "
+            f"{spread([r['retrieval_best_layer'] for r in rows])} | "
+            f"{spread([r['zero_shot'] for r in rows])} |")
+    for variant, results in runs.items():  # step 0 of every variant, beside it
+        rows = [figures(r, "step0") for r in results]
+        lines.append(f"| {variant} at step 0 | | | 0 | {len(results)} | | "
+                     f"{spread([r['retrieval'] for r in rows])} | "
+                     f"{spread([r['retrieval_best_layer'] for r in rows])} | "
+                     f"{spread([r['zero_shot'] for r in rows])} |")
+    any_run = next(iter(runs.values()))[0]["eval"]
+    retrieval, cls = any_run.get("retrieval", {}), any_run.get("classification", {})
+    bag_r = both_ways(retrieval["average"]["bag"]) if "bag" in retrieval.get("average", {}) \
+        else None
+    bag_c = cls.get("average_transfer", {}).get("bag", {}).get("accuracy")
+    lines.append(f"| bag of tokens (no model) | | | | | | {spread([bag_r])} | | "
+                 f"{spread([bag_c])} |")
+    chance_c = cls.get("average_transfer", {}).get("majority")
+    lines.append(f"| chance (1/N; majority label) | | | | | | "
+                 f"{spread([retrieval.get('average', {}).get('chance')])} | | "
+                 f"{spread([chance_c])} |")
+    return "\n".join(lines)
+
+
+def plot(runs: dict[str, list[dict]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (curves, bars) = plt.subplots(1, 2, figsize=(13, 4.5))
+    for i, (variant, results) in enumerate(runs.items()):
+        for r in results:
+            curve = r["metrics"]["valid_curve"]
+            steps, losses = [s for s, _ in curve], [v for _, v in curve]
+            curves.plot(steps, losses, color=f"C{i}", alpha=0.8,
+                        label=variant if r is results[0] else None)
+    curves.set(xlabel="step", ylabel="validation MLM loss", title="pre-training")
+    curves.legend()
+    names = list(runs)
+    for j, (key, label) in enumerate((("retrieval", "retrieval acc@1"),
+                                      ("zero_shot", "zero-shot accuracy"))):
+        for k, encoder in enumerate(("model", "step0")):
+            means = []
+            for variant in names:
+                vals = [figures(r, encoder)[key] for r in runs[variant]]
+                vals = [v for v in vals if v is not None]
+                means.append(statistics.fmean(vals) if vals else 0.0)
+            xs = [x + 2.5 * j + 0.4 * k for x in range(len(names))]
+            bars.bar([x * 0.4 for x in xs], means, width=0.15,
+                     color=f"C{j}", alpha=1.0 if encoder == "model" else 0.35,
+                     label=f"{label} ({'trained' if encoder == 'model' else 'step 0'})")
+    bars.set_title("transfer (per variant, left to right: " + ", ".join(names) + ")")
+    bars.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--scale", default="cpu")
+    p.add_argument("--tag", default="sweep")
+    p.add_argument("--plot", type=Path, help="write the figure here (PNG)")
+    args = p.parse_args(argv)
+    runs = load(args.scale, args.tag)
+    if not runs:
+        sys.exit(f"error: no result files under {HERE / 'results' / args.scale / args.tag}")
+    print(table(runs))
+    if args.plot:
+        plot(runs, args.plot)
+
+
+if __name__ == "__main__":
+    main()
