@@ -105,7 +105,7 @@ def _libreoffice_corpus(argv: list[str] | None) -> int:
         p.error(f"--out {a.out} is inside --debs {a.debs}; choose a folder outside it")
     if reason := unwritable_reason(a.out):
         p.error(f"--out {a.out}: {reason}")
-    if foreign := foreign_entries(Path(a.out), OWNED):
+    if foreign := foreign_entries(Path(a.out), OWNED):  # StagedOutput checks it again
         p.error(f"--out {a.out} holds files this command did not write ({', '.join(foreign[:3])}"
                 f"{', ...' if len(foreign) > 3 else ''}); choose a new or empty folder")
     start = time.perf_counter()

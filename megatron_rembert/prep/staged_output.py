@@ -15,6 +15,7 @@ import os
 import re
 from pathlib import Path
 
+from megatron_rembert.data.common import DataError
 from megatron_rembert.fs import atomic_write, fsync_dir, remove_entry, write_errors
 
 STAGE = ".incomplete"
@@ -54,6 +55,11 @@ class StagedOutput:
         self.written: dict[str, dict] = {}
 
     def begin(self) -> None:
+        """Refuse an `out` holding anything but owned files (DataError), then make the stage."""
+        if foreign := foreign_entries(self.out, self.owned):
+            raise DataError(f"{self.out} holds files this command did not write "
+                            f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); "
+                            "choose a new or empty folder")
         with write_errors(self.stage):
             remove_entry(self.stage)  # a killed run's leftovers
             self.stage.mkdir(parents=True)

@@ -8,6 +8,7 @@ Expected values come from the fixture's plain texts (`SPEC`) and the documented 
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import html
 import io
@@ -20,8 +21,10 @@ from pathlib import Path
 
 import pytest
 
+from megatron_rembert.data.common import DataError
 from megatron_rembert.prep import commands
 from megatron_rembert.prep.corpus import SkipStats, discover_corpus, iter_documents
+from megatron_rembert.prep.help_pages import read_help_pages
 from megatron_rembert.prep.libreoffice import LibreOfficeConfig, build_libreoffice_corpus
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,7 +42,8 @@ def _english(path: str) -> list[tuple[str, str]]:
              (f"par_id{n}01", f"{path}: second paragraph about {path.split('/')[0]}."),
              (f"par_id{n}02", f"{path}: a third paragraph with more words."),
              (f"par_id{n}03", "Short."),
-             (f"par_id{n}04", COMMON)]
+             (f"par_id{n}04", COMMON),
+             (f"par_id{n}05", f"{path}: the fifth paragraph.")]
     if n % 6 == 0:  # an embedded section repeats an id with other text: ambiguous
         paras.append((f"par_id{n}01", f"{path}: the repeated id's second text."))
     if n % 6 == 2:  # ... or with the same text: a plain repeat
@@ -52,6 +56,8 @@ def _translate(lang: str, path: str, pid: str, en: str) -> str:
         return en  # untranslated: the English fallback
     if lang == "pt-br" and pid.endswith("01") and PAGES.index(path) % 6 == 1:
         return "[text/shared/00/x.xhp#y not found]"
+    if lang == "pt-br" and pid.endswith("05"):
+        return "五段"  # short, but --min-chars measures the English text
     return f"[{lang}] {en}"
 
 
@@ -194,20 +200,22 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def test_parallel_pairs_align_by_page_and_id(out):
     for lang in ("de", "pt-br"):
-        want, seen_en = [], set()
+        want, seen_en, seen_text = [], set(), set()
         for path, rows in expected_kept(lang).items():
             if path in HELD:
                 want += [{"id": f"{path}#{k}", "label": path.split("/")[0], "text": t, "en": en}
                          for k, t, en in rows]
         want.sort(key=lambda r: r["id"])
         deduped = []
-        for r in want:  # the common sentence: only its first id stays
-            if r["en"] not in seen_en:
+        for r in want:  # a text already seen, English or not: only its first id stays
+            if r["en"] not in seen_en and r["text"] not in seen_text:
                 seen_en.add(r["en"])
+                seen_text.add(r["text"])
                 deduped.append(r)
         got = read_jsonl(out / "eval" / "parallel" / f"{lang}.jsonl")
         assert got == deduped
         assert sum(r["en"] == COMMON for r in got) == 1
+        assert sum(r["text"] == "五段" for r in got) == (lang == "pt-br")
         assert not [r for r in got if "repeated id" in r["en"]]  # ambiguous: dropped
     assert not (out / "eval" / "parallel" / "en.jsonl").exists()
 
@@ -222,7 +230,7 @@ def test_corpus_documents_and_untranslated_dropped_from_that_language_only(out):
     pt = (out / "corpus" / "pt-br" / "help.txt").read_text(encoding="utf-8")
     third = [p for p in PAGES if p not in HELD][0] + ": a third paragraph with more words."
     assert third not in de and f"[pt-br] {third}" in pt  # untranslated in de only
-    assert "not found]" not in pt and "Short." not in de + pt
+    assert "not found]" not in pt and "Short." not in de + pt and "五段" in pt
     assert "Tom & Jerry <b> in Zürich" in de  # markup stripped, entities unescaped
 
 
@@ -352,6 +360,31 @@ def test_damaged_package_is_one_error_and_the_previous_output_stays(case, debs, 
     code, _, err = run(["--debs", str(d), "--out", str(o)], capsys)
     one_error(code, err, deb_name("de"))
     assert {p: p.read_bytes() for p in o.rglob("*") if p.is_file()} == before
+
+
+def test_pages_skipped_by_reason_and_a_gz_member(tmp_path):
+    root = "usr/share/libreoffice/help/de/text/"  # without "./", as some tar writers do
+    good = b'<p id="par_id1">Ein Absatz, gut genug.</p>'
+    files = {f"{root}shared/a.html": good, f"{root}shared/latin1.html": "<p id='par_id1'>Stra\xdfe"
+             "</p>".encode("latin-1"), f"{root}top.html": good, f"{root}shared/open.html":
+             b'<p id="par_id1">never closed</body>', f"{root}shared/x.txt": b"not a page",
+             "usr/share/libreoffice/help/de-AT/text/shared/a.html": good}
+    path = tmp_path / deb_name("de")
+    data = gzip.compress(tar(files, {f"{root}shared/l.html": "a.html"}), mtime=0)
+    path.write_bytes(deb(data, member="data.tar.gz"))
+    pages, stats = read_help_pages(path, "de")
+    assert pages.keys() == {"shared/a.html"}
+    assert pages["shared/a.html"].paragraphs == [("par_id1", "Ein Absatz, gut genug.")]
+    assert dict(stats.skipped) == {"malformed: not UTF-8": 1, "malformed: unclosed paragraph": 1,
+                                   "no module": 1, "link": 1}
+
+
+def test_an_output_folder_with_other_files_is_refused_by_the_api_too(debs, tmp_path):
+    (tmp_path / "o" / "corpus").mkdir(parents=True)
+    (tmp_path / "o" / "corpus" / "mine.txt").write_text("keep")
+    with pytest.raises(DataError, match="corpus/mine.txt"):
+        build(debs, tmp_path / "o")
+    assert [p.name for p in (tmp_path / "o").rglob("*")] == ["corpus", "mine.txt"]
 
 
 def test_package_without_pages_is_skipped_and_listed(debs, tmp_path, capsys):
