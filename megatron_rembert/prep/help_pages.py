@@ -142,7 +142,10 @@ def _ar_members(path: Path) -> dict[str, tuple[int, int]]:
 def check_package(path: Path) -> tuple[str, int, int]:
     """(name, offset, size) of the package's data member (data.tar.xz or .gz), after checking
     that `path` is a whole ar archive that has one. Cheap: reads the headers only."""
-    members = _ar_members(path)
+    try:
+        members = _ar_members(path)
+    except OSError as err:  # a read, not a write: bad input, not a failing disk
+        raise DataError(f"{path}: cannot be read ({err.strerror or err})") from err
     data = sorted(n for n in members if n.startswith("data.tar"))
     if not data:
         raise DataError(f"{path}: a .deb without a data.tar member (has {sorted(members)})")
@@ -172,9 +175,13 @@ def read_help_pages(path: Path, code: str) -> tuple[dict[str, Page], PageStats]:
     """The help pages of the package `path` for language `code`: {path under text/: Page},
     and what was read or skipped. Raises DataError naming `path` if the package is damaged."""
     member, offset, length = check_package(path)
-    with open(path, "rb") as f:
-        f.seek(offset)
-        raw = _unpack(path, member, f.read(length))
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            packed = f.read(length)
+    except OSError as err:
+        raise DataError(f"{path}: cannot be read ({err.strerror or err})") from err
+    raw = _unpack(path, member, packed)
     pages, stats = {}, PageStats()
     try:
         with tarfile.open(fileobj=io.BytesIO(raw), mode="r:") as tar:

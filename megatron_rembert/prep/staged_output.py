@@ -25,19 +25,20 @@ _DEBRIS = re.compile(r"(.*/)?\.tmp-\d+-[^/]*")  # a killed atomic_write's temp f
 def foreign_entries(out: Path, owned: re.Pattern) -> list[str]:
     """Paths under `out` (relative, sorted) that are neither `owned` files, the staging folder,
     nor the debris of an atomic write: non-empty means `out` is not this tool's output. A
-    symlink is always foreign (a rerun must never write through one)."""
+    symlink inside `out` is always foreign (a rerun must never write through one); `out`
+    itself may be one."""
     if not out.exists():
         return []
-    if not out.is_dir() or out.is_symlink():
+    if not out.is_dir():
         return ["."]
     foreign = []
     for folder, dirs, files in os.walk(out):
         rel = Path(folder).relative_to(out)
-        for name in sorted(dirs):
+        for name in list(dirs):
+            if (Path(folder) / name).is_symlink():
+                foreign.append((rel / name).as_posix())
             if (Path(folder) / name).is_symlink() or (rel / name).as_posix() == STAGE:
-                if (Path(folder) / name).is_symlink():
-                    foreign.append((rel / name).as_posix())
-                dirs.remove(name)  # the stage is removed whole; a link is not followed
+                dirs.remove(name)  # a link is not followed; the stage is removed whole
         for name in files:
             path = (rel / name).as_posix()
             if (Path(folder) / name).is_symlink() or not (
