@@ -3,7 +3,7 @@
 
 import sys
 
-from megatron_rembert.prep.commands import libreoffice_corpus
+from megatron_rembert.prep.commands import make_libreoffice_corpus
 
 if __name__ == "__main__":
-    sys.exit(libreoffice_corpus())
+    sys.exit(make_libreoffice_corpus())

@@ -73,7 +73,7 @@ command, which is then replaced (the files it no longer writes are removed). See
 """
 
 
-def libreoffice_corpus(argv: list[str] | None = None) -> int:
+def make_libreoffice_corpus(argv: list[str] | None = None) -> int:
     return run_cli(_libreoffice_corpus, argv, on_os_error=RERUN)
 
 

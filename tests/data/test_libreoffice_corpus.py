@@ -313,7 +313,7 @@ def test_prep_corpus_reads_the_output(out):
 # -- bad input: one error line (exit 2), or skipped and counted ---------------------------------
 def run(argv: list[str], capsys) -> tuple[int, str, str]:
     try:
-        code = commands.libreoffice_corpus(argv)
+        code = commands.make_libreoffice_corpus(argv)
     except SystemExit as done:  # argparse's error: usage, then one "error:" line
         code = done.code
     out, err = capsys.readouterr()
