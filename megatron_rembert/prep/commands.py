@@ -64,8 +64,9 @@ packages -> a pre-training corpus (OUT/corpus/<lang>/help.txt) and evaluation se
 paragraph (OUT/eval/parallel/<lang>.jsonl, OUT/eval/topic/{train,test}.jsonl), with
 OUT/summary.json. Nothing is downloaded; fetch the packages first (en-us is required):
 
-    apt-get download libreoffice-help-{en-us,de,fr,ja,ru,zh-cn}
-    rembert-libreoffice-corpus --debs . --out lo_out
+    mkdir lo_debs && cd lo_debs
+    apt-get download libreoffice-help-en-us libreoffice-help-de libreoffice-help-ja
+    cd .. && rembert-libreoffice-corpus --debs lo_debs --out lo_out
 
 Pages held out for evaluation (--eval-fraction, by a hash of the page's path and --seed) give
 no text to the corpus in any language. --out must be new, empty or a previous output of this
@@ -98,7 +99,8 @@ def _libreoffice_corpus(argv: list[str] | None) -> int:
                    help="fraction of the pages held out for evaluation (default %(default)s)")
     p.add_argument("--min-chars", type=int, default=d.min_chars,
                    help="drop paragraphs whose English text is shorter (default %(default)s)")
-    p.add_argument("--seed", type=int, default=d.seed, help="of the page split")
+    p.add_argument("--seed", type=int, default=d.seed,
+                   help="seed of the page split (default %(default)s)")
     a = p.parse_args(argv)
     # Output checks first: nothing is read or written before they pass.
     if is_inside(a.out, a.debs):
