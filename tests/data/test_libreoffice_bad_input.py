@@ -78,7 +78,7 @@ def test_pages_skipped_by_reason_and_a_gz_member(tmp_path):
     files = {f"{root}shared/a.html": good, f"{root}shared/latin1.html": "<p id='par_id1'>Stra\xdfe"
              "</p>".encode("latin-1"), f"{root}top.html": good, f"{root}shared/open.html":
              b'<p id="par_id1">never closed</body>', f"{root}shared/x.txt": b"not a page",
-             "usr/share/libreoffice/help/de-AT/text/shared/a.html": good}
+             "usr/share/libreoffice/help/de-AT/text/shared/b.html": good}
     path = tmp_path / deb_name("de")
     data = gzip.compress(tar(files, {f"{root}shared/l.html": "a.html"}), mtime=0)
     path.write_bytes(deb(data, member="data.tar.gz"))
