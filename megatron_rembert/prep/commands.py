@@ -1,16 +1,17 @@
 """The data tools' command lines: parse, check the output first, call `prep/`.
 
-Console scripts (`pip install -e .`): rembert-make-demo-corpus, rembert-train-tokenizer,
-rembert-preprocess, rembert-merge-datasets, rembert-inspect-shards; `python data_tools/X.py`
-runs the same function. Bad input exits 2 with one `error:` line; a file system failing while
-writing exits 1 with one line naming the file, nothing committed damaged (`cli.run_cli`,
-docs/data.md). Each tool imports only what it needs, when it runs.
+Console scripts (`pip install -e .`): rembert-make-demo-corpus, rembert-libreoffice-corpus,
+rembert-train-tokenizer, rembert-preprocess, rembert-merge-datasets, rembert-inspect-shards;
+`python data_tools/X.py` runs the same function. Bad input exits 2 with one `error:` line; a
+file system failing while writing exits 1 with one line naming the file, nothing committed
+damaged (`cli.run_cli`, docs/data.md). Each tool imports only what it needs, when it runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import time
 from pathlib import Path
 
 from megatron_rembert.cli import run_cli
@@ -53,6 +54,74 @@ def _make_demo_corpus(argv: list[str] | None) -> int:
     docs = write_corpus(args.out, args.size_mb, args.seed, args.languages)
     for lang, n in docs.items():
         print(f"{lang:8s} {n:8,d} documents")
+    return 0
+
+
+# -- rembert-libreoffice-corpus ----------------------------------------------------------------
+LIBREOFFICE = """\
+Real multilingual text: LibreOffice's help pages from Debian's libreoffice-help-<lang>
+packages -> a pre-training corpus (OUT/corpus/<lang>/help.txt) and evaluation sets aligned by
+paragraph (OUT/eval/parallel/<lang>.jsonl, OUT/eval/topic/{train,test}.jsonl), with
+OUT/summary.json. Nothing is downloaded; fetch the packages first (en-us is required):
+
+    mkdir lo_debs && cd lo_debs
+    apt-get download libreoffice-help-en-us libreoffice-help-de libreoffice-help-ja
+    cd .. && rembert-libreoffice-corpus --debs lo_debs --out lo_out
+
+Pages held out for evaluation (--eval-fraction, by a hash of the page's path and --seed) give
+no text to the corpus in any language. --out must be new, empty or a previous output of this
+command, which is then replaced (the files it no longer writes are removed). See docs/data.md.
+"""
+
+
+def make_libreoffice_corpus(argv: list[str] | None = None) -> int:
+    return run_cli(_libreoffice_corpus, argv, on_os_error=RERUN)
+
+
+def _libreoffice_corpus(argv: list[str] | None) -> int:
+    from megatron_rembert.prep.libreoffice import (
+        OWNED,
+        LibreOfficeConfig,
+        build_libreoffice_corpus,
+        parse_languages,
+        summary_table,
+    )
+    from megatron_rembert.prep.staged_output import foreign_entries
+
+    d = LibreOfficeConfig("", "")
+    p = _parser(LIBREOFFICE)
+    p.add_argument("--debs", required=True, help="folder of libreoffice-help-<lang>_*.deb files")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--languages", type=parse_languages,
+                   help="comma-separated package codes, e.g. de,fr,pt-br,zh-cn (default: every "
+                        "package in --debs; en-us is always read)")
+    p.add_argument("--eval-fraction", type=float, default=d.eval_fraction,
+                   help="fraction of the pages held out for evaluation (default %(default)s)")
+    p.add_argument("--min-chars", type=int, default=d.min_chars,
+                   help="drop paragraphs whose English text is shorter (default %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed,
+                   help="seed of the page split (default %(default)s)")
+    a = p.parse_args(argv)
+    # Output checks first: nothing is read or written before they pass.
+    if is_inside(a.out, a.debs):
+        p.error(f"--out {a.out} is inside --debs {a.debs}; choose a folder outside it")
+    if reason := unwritable_reason(a.out):
+        p.error(f"--out {a.out}: {reason}")
+    if foreign := foreign_entries(Path(a.out), OWNED):  # StagedOutput checks it again
+        p.error(f"--out {a.out} holds files this command did not write ({', '.join(foreign[:3])}"
+                f"{', ...' if len(foreign) > 3 else ''}); choose a new or empty folder")
+    start = time.perf_counter()
+    summary = build_libreoffice_corpus(
+        LibreOfficeConfig(a.debs, a.out, a.languages, a.eval_fraction, a.min_chars, a.seed),
+        progress=lambda line: print(line, flush=True))
+    print(summary_table(summary))
+    for line in summary["packages_without_pages"].values():
+        print(f"skipped (no help pages): {line}")
+    topic = summary["topic"]
+    print("topic labels (train/test): " + ", ".join(
+        f"{k} {v['train']}/{v['test']}" for k, v in topic["labels"].items())
+        + (f"; dropped (too few): {topic['dropped_labels']}" if topic["dropped_labels"] else ""))
+    print(f"wrote {a.out}/summary.json in {time.perf_counter() - start:.1f} s")
     return 0
 
 
