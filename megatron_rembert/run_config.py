@@ -98,7 +98,7 @@ class TrainConfig:
     fp8: bool = False
     seed: int = 1234
     log_interval: int = 10
-    eval_interval: int = 1000  # 0 = never
+    eval_interval: int = 1000  # validation (and eval.retrieval_path's retrieval); 0 = never
     # at most this many global batches of validation per language (see eval.*)
     eval_batches: int = 10
     save_interval: int = 1000  # 0 = only at the end and on a signal

@@ -11,8 +11,8 @@ The sentences of all languages, both sides, are split in contiguous chunks over 
 TP peers embed the same chunk (their layers all-reduce inside), and one SUM all-reduce over
 the DP group gives every rank all the embeddings. The forward runs under no_grad in eval mode
 (dropout off: nothing is drawn from either RNG stream), training mode restored after; every
-batch has the shape of a validation micro-batch (train.micro_batch_size x data.seq_length),
-so a compiled layer reuses the validation's graph.
+batch has one shape, that of a validation micro-batch (train.micro_batch_size x
+data.seq_length), so a compiled layer is not recompiled for each sentence length.
 """
 
 from __future__ import annotations
