@@ -342,7 +342,9 @@ def check_retrieval(config: Config) -> None:
     """eval.retrieval_*: what the periodic retrieval (training/retrieval.py) needs."""
     path, layers = config.eval.retrieval_path, config.model.num_hidden_layers
     if config.parallel.pp > 1:
-        # The pooled layer lives on one pipeline stage: measure the checkpoints offline.
+        # The pooled layer lives on one pipeline stage: measuring it would take a forward
+        # of our own through the stages beside DeepSpeed's schedule, for what the saved
+        # checkpoints give offline at any layout.
         raise ConfigError(f"eval.retrieval_path={path} with parallel.pp={config.parallel.pp}: "
                           "retrieval during training needs pp = 1; leave eval.retrieval_path "
                           "empty and evaluate the saved checkpoints with rembert-eval")
