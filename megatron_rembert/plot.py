@@ -5,9 +5,11 @@
 
 Reads each folder's metrics.jsonl (train.py writes it into train.log_dir) and draws four
 panels against the step: training loss, training MLM accuracy, validation loss and validation
-MLM accuracy. Each run has one colour; in the validation panels its overall (token-weighted)
-curve is the thick line and each language a thin line of the same colour, labelled at its
-last point. A resumed run logs the steps after its last checkpoint twice: the later row wins.
+MLM accuracy; and two more where a run measured retrieval (eval.retrieval_path): accuracy@1
+to and from English. Each run has one colour; in the validation and retrieval panels its
+overall curve (token-weighted; for retrieval the mean over languages) is the thick line and
+each language a thin line of the same colour, labelled at its last point. A resumed run
+logs the steps after its last checkpoint twice: the later row wins.
 Needs matplotlib (`pip install -e '.[plot]'`).
 """
 
@@ -23,6 +25,8 @@ from megatron_rembert.errors import UserError
 
 PANELS = (("train", "loss", "training loss"), ("train", "mlm_acc", "training MLM accuracy"),
           ("valid", "loss", "validation loss"), ("valid", "mlm_acc", "validation MLM accuracy"))
+RETRIEVAL_PANELS = (("valid", "retrieval_to_en", "retrieval accuracy@1, language -> English"),
+                    ("valid", "retrieval_from_en", "retrieval accuracy@1, English -> language"))
 
 
 class PlotError(UserError):
@@ -70,9 +74,12 @@ def plot_runs(log_dirs: list[str | Path], labels: list[str] | None = None):
 
     labels = labels or [Path(d).name or str(d) for d in log_dirs]
     runs = [read_metrics(d) for d in log_dirs]
-    fig = Figure(figsize=(13, 9), layout="constrained")
-    axes = fig.subplots(2, 2)
-    for ax, (split, key, title) in zip(axes.flat, PANELS, strict=True):
+    retrieval = any("retrieval_to_en" in row for rows in runs
+                    for row in rows.get("valid", {}).values())
+    panels = PANELS + RETRIEVAL_PANELS if retrieval else PANELS
+    fig = Figure(figsize=(13, 4.5 * (len(panels) // 2)), layout="constrained")
+    axes = fig.subplots(len(panels) // 2, 2)
+    for ax, (split, key, title) in zip(axes.flat, panels, strict=True):
         for i, (rows, label) in enumerate(zip(runs, labels, strict=True)):
             color = f"C{i % 10}"
             for lang, (steps, values) in curves(rows, split, key).items():

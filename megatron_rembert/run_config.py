@@ -5,7 +5,7 @@
     data:     dataset folder, tokenizer, sequence length, sampling and masking, their schedules
     optim:    optimizer and learning-rate schedule
     train:    batch sizes, precision, steps, logging, checkpoints
-    eval:     the per-language validation set
+    eval:     the per-language validation set, retrieval on held-out parallel text
 
 Every default lives in its dataclass, every allowed value in RANGES or CHOICES, and every
 check that needs no world size in `check_settings`; `training.optim.deepspeed_config` writes
@@ -98,7 +98,7 @@ class TrainConfig:
     fp8: bool = False
     seed: int = 1234
     log_interval: int = 10
-    eval_interval: int = 1000  # 0 = never
+    eval_interval: int = 1000  # validation (and eval.retrieval_path's retrieval); 0 = never
     # at most this many global batches of validation per language (see eval.*)
     eval_batches: int = 10
     save_interval: int = 1000  # 0 = only at the end and on a signal
@@ -132,6 +132,14 @@ class EvalConfig:
     # validation sequences per language (fewer where a language has fewer), a fixed set
     sequences_per_language: int = 256
     mask_prob: float = 0.15  # validation mask rate, whatever the training schedule says
+    # Folder of held-out parallel text, <lang>.jsonl ({"text": ..., "en": ...} per line) or
+    # <lang>.tsv (text TAB English): with each validation, retrieval accuracy@1 to and from
+    # English per language ("" = off; needs data.tokenizer and parallel.pp = 1)
+    retrieval_path: str = ""
+    retrieval_pairs: int = 200  # the first this many pairs of each language
+    # Transformer layer whose output is mean-pooled, 1..model.num_hidden_layers; 0 = the
+    # middle one, (num_hidden_layers + 1) // 2
+    retrieval_layer: int = 0
 
 
 @dataclass
@@ -191,6 +199,8 @@ RANGES: dict[str, Range] = {
     "train.max_weight_abs": POSITIVE,
     "eval.sequences_per_language": AT_LEAST_1,
     "eval.mask_prob": Range(0.0, 1.0, low_open=True, high_open=True),
+    "eval.retrieval_pairs": Range(2),  # one pair would always be found
+    "eval.retrieval_layer": AT_LEAST_0,  # and <= model.num_hidden_layers
 }
 
 # Every setting that takes one of a few values, and those values: checked by check_ranges,
@@ -303,6 +313,8 @@ def check_config(config: Config) -> DataPlan:
                           "scale only in its ZeRO optimizers); zero_stage=0 is for fp32")
     if train.fp8:
         check_fp8(config)
+    if config.eval.retrieval_path:
+        check_retrieval(config)
     if config.data.seq_length > config.model.max_position_embeddings:
         raise ConfigError(
             f"data.seq_length={config.data.seq_length} exceeds "
@@ -314,11 +326,37 @@ def check_config(config: Config) -> DataPlan:
 
 def check_settings(config: Config) -> DataPlan:
     """Every check that needs no world size: `check_config`, and the paths (train.save_dir
-    and train.log_dir writable). What train.py runs before any heavy import; returns
-    `check_config`'s data plan, for the run plan (`RunPlan.build(..., data=)`)."""
+    and train.log_dir writable, eval.retrieval_path's files readable). What train.py runs
+    before any heavy import; returns `check_config`'s data plan, for the run plan
+    (`RunPlan.build(..., data=)`)."""
     data = check_config(config)
     check_paths(config)
+    if config.eval.retrieval_path:
+        from megatron_rembert.data.parallel_text import read_parallel_set
+
+        read_parallel_set(config.eval.retrieval_path, config.eval.retrieval_pairs)
     return data
+
+
+def check_retrieval(config: Config) -> None:
+    """eval.retrieval_*: what the periodic retrieval (training/retrieval.py) needs."""
+    path, layers = config.eval.retrieval_path, config.model.num_hidden_layers
+    if config.parallel.pp > 1:
+        # The pooled layer lives on one pipeline stage: measuring it would take a forward
+        # of our own through the stages beside DeepSpeed's schedule, for what the saved
+        # checkpoints give offline at any layout.
+        raise ConfigError(f"eval.retrieval_path={path} with parallel.pp={config.parallel.pp}: "
+                          "retrieval during training needs pp = 1; leave eval.retrieval_path "
+                          "empty and evaluate the saved checkpoints with rembert-eval")
+    if not config.data.tokenizer:
+        raise ConfigError(f"eval.retrieval_path={path} needs data.tokenizer (the run's "
+                          "SentencePiece model encodes the sentences)")
+    if not config.train.eval_interval:
+        raise ConfigError(f"eval.retrieval_path={path} with train.eval_interval=0: retrieval "
+                          "runs with the validation; set train.eval_interval")
+    if config.eval.retrieval_layer > layers:
+        raise ConfigError(f"eval.retrieval_layer={config.eval.retrieval_layer} exceeds "
+                          f"model.num_hidden_layers={layers} (0 = the middle layer)")
 
 
 def _coerce(value, annotation, key: str):

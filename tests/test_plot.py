@@ -54,3 +54,23 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     assert main([str(tmp_path / "bad"), "--out", str(tmp_path / "x.png")]) == 2
     assert "metrics.jsonl:1: not a metrics row" in capsys.readouterr().err
     assert not (tmp_path / "x.png").exists()
+
+
+def test_retrieval_panels_where_a_run_measured_it(tmp_path):
+    a, b = tmp_path / "with", tmp_path / "without"
+    rows = []
+    for step, (de, ja) in ((2, (0.1, 0.3)), (4, (0.5, 0.7))):
+        row = _valid(step, 7.0, 9.0)
+        row["languages"]["de"] = {"retrieval_to_en": de, "retrieval_from_en": de / 2}
+        row["languages"]["ja"] = {"retrieval_to_en": ja, "retrieval_from_en": ja / 2}
+        row.update(retrieval_to_en=(de + ja) / 2, retrieval_from_en=(de + ja) / 4)
+        rows.append(row)
+    _write(a, rows)
+    _write(b, [_valid(2, 5.0, 6.0)])
+    assert len(plot_runs([b]).axes) == 4  # no retrieval logged: the four panels only
+    fig = plot_runs([a, b])
+    to_en, from_en = fig.axes[4:]
+    assert [line.get_xydata().tolist() for line in to_en.get_lines()] == [
+        [[2, 0.2], [4, 0.6]], [[2, 0.1], [4, 0.5]], [[2, 0.3], [4, 0.7]]]
+    assert from_en.get_lines()[0].get_xydata().tolist() == [[2, 0.1], [4, 0.3]]
+    assert "English" in to_en.get_title()

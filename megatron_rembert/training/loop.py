@@ -347,7 +347,11 @@ def evaluate(trainer, config: Config, plan: RunPlan, sha: str | None, step: int,
              log: MetricsLogger) -> None:
     """Loss and accuracy on the fixed validation set, per language and overall: token-weighted
     (all masked tokens together) and language-averaged (the mean of the languages' numbers).
-    Each language is evaluated in whole global batches (padding rows carry no weight)."""
+    Each language is evaluated in whole global batches (padding rows carry no weight). With
+    eval.retrieval_path, each language's retrieval accuracy@1 to and from English joins its
+    numbers in the same row (training/retrieval.py)."""
+    from megatron_rembert.training.retrieval import add_retrieval, pooled_layer, retrieval_accuracy
+
     layout = plan.layout
     per_language = min(config.eval.sequences_per_language,
                        config.train.eval_batches * layout.global_batch_size)
@@ -360,14 +364,26 @@ def evaluate(trainer, config: Config, plan: RunPlan, sha: str | None, step: int,
             continue
         loss, acc, tokens = trainer.eval_step(batches)
         languages[lang] = {"loss": loss, "mlm_acc": acc, "masked_tokens": tokens}
-    if not languages:
+    retrieval = {}
+    if config.eval.retrieval_path:
+        POSITION.set(phase="retrieval")
+        retrieval = retrieval_accuracy(trainer, config)
+    if not languages and not retrieval:
         log.console("validation split is empty: nothing to evaluate")
         return
-    overall = combine_languages(languages)
+    overall = combine_languages(languages) if languages else {}
+    if retrieval:
+        add_retrieval(overall, retrieval)
     log.log(step, overall, prefix="valid")
-    log.console(f"step {step:>7} | validation loss {overall['loss']:.4f} | acc "
-                f"{overall['mlm_acc']:.3f} | language average loss {overall['loss_lang_avg']:.4f}"
-                f" acc {overall['mlm_acc_lang_avg']:.3f}")
+    if languages:
+        log.console(f"step {step:>7} | validation loss {overall['loss']:.4f} | acc "
+                    f"{overall['mlm_acc']:.3f} | language average loss "
+                    f"{overall['loss_lang_avg']:.4f} acc {overall['mlm_acc_lang_avg']:.3f}")
+    if retrieval:
+        log.console(f"step {step:>7} | retrieval acc@1 to en {overall['retrieval_to_en']:.3f}"
+                    f" from en {overall['retrieval_from_en']:.3f} (chance "
+                    f"{overall['retrieval_chance']:.3f}; {len(retrieval)} languages, layer "
+                    f"{pooled_layer(config)})")
 
 
 def combine_languages(languages: dict[str, dict]) -> dict:

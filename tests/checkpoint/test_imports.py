@@ -22,6 +22,7 @@ FLOORS = (
     ("run_config",),  # the run's YAML: imports data.config, data.schedule, parallel.layout
     ("prep", "model"),  # offline data preparation; the model
     ("checkpoint",),  # below both training/ and convert/
+    ("eval",),  # retrieval math the trainer logs while training, and the offline evaluation
     ("training", "convert"),  # peers: neither imports the other
     ("train", "summary", "plot"),  # entry points: parse, build, call
 )
