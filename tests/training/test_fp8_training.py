@@ -235,18 +235,21 @@ def _two_trainers_worker(rank, world_size) -> dict:
     batches = [micro_batches(step, 4, 2, 0, 1, vocab) for step in range(3)]
     refreshes, evals = [], []
 
-    def after(what):
+    def quantised() -> None:  # how often the fp8 trainer's weights were quantised so far
         refreshes.append(sorted({g.refreshes for g in fp8.fp8_gemms}))
-        if what is not None:
-            evals.append(what[0])
 
-    after(fp8.train_step(batches[0]) and None)  # quantised once for its micro-batches
-    after(fp8.eval_step(batches[2]))  # its optimizer stepped: quantised again
+    fp8.train_step(batches[0])
+    quantised()  # once, for both micro-batches
+    evals.append(fp8.eval_step(batches[2])[0])
+    quantised()  # its optimizer stepped: again
     plain.train_step(batches[0])
     plain.train_step(batches[1])
-    after(fp8.eval_step(batches[2]))  # the other trainer's steps: nothing to renew
-    after(fp8.train_step(batches[1]) and None)  # no step of its own since the last eval
-    after(fp8.eval_step(batches[2]))  # its own step: quantised again
+    evals.append(fp8.eval_step(batches[2])[0])
+    quantised()  # the other trainer's steps: nothing to renew
+    fp8.train_step(batches[1])
+    quantised()  # no step of its own since the last evaluation: nothing to renew
+    evals.append(fp8.eval_step(batches[2])[0])
+    quantised()  # its own step: again
     return {"refreshes": refreshes, "evals": evals, "gemms": len(fp8.fp8_gemms),
             "plain_gemms": len(plain.fp8_gemms)}
 
