@@ -14,7 +14,7 @@ an older folder); the fastest of each is compared, and the ratios hashed / plain
 synced and sha256 / plain are printed last. Writes land in the page cache here, far faster
 than on a cluster file system, so the ratios are upper bounds of what hashing adds there.
 
-    python bench/checkpoint_hash.py [--hidden 512] [--layers 4] [--vocab 30000] [--reps 3]
+    python -m bench.checkpoint_hash [--hidden 512] [--layers 4] [--vocab 30000] [--reps 3]
 """
 
 from __future__ import annotations
@@ -23,22 +23,22 @@ import argparse
 import hashlib
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# The smallest run (seconds): tests/bench/test_every_bench.py.
+TINY_ARGS = ["--hidden", "64", "--layers", "1", "--vocab", "1000", "--reps", "1"]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=30000)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--dir", help="where to write (default: a temporary folder)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     import deepspeed
     import torch

@@ -1,8 +1,8 @@
 """Throughput of the data pipeline, ours and its baseline side by side, on CPU.
 
-    python bench/data_throughput.py            # ~30 MB demo corpus, 8000-piece tokenizer
-    python bench/data_throughput.py --quick    # small smoke run (well under 30 s)
-    python bench/data_throughput.py --data DIR # build into / reuse DIR instead of a temp folder
+    python -m bench.data_throughput            # ~30 MB demo corpus, 8000-piece tokenizer
+    python -m bench.data_throughput --quick    # small smoke run (well under 30 s)
+    python -m bench.data_throughput --data DIR # build into / reuse DIR instead of a temp folder
 
 What is measured (each figure is the median of --repeats runs; min and max are printed too,
 because on a shared machine single runs are noisy):
@@ -43,21 +43,24 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
-
-from megatron_rembert.cli import format_table  # noqa: E402
-from megatron_rembert.data.config import DataConfig  # noqa: E402
-from megatron_rembert.data.loader import build_pretraining_loader  # noqa: E402
-from megatron_rembert.parallel.layout import Layout  # noqa: E402
-from megatron_rembert.prep.corpus import (  # noqa: E402
+from megatron_rembert.cli import format_table
+from megatron_rembert.data.config import DataConfig
+from megatron_rembert.data.loader import build_pretraining_loader
+from megatron_rembert.data.schedule import DataPlan
+from megatron_rembert.parallel.layout import Layout
+from megatron_rembert.prep.corpus import (
     DEFAULT_BLOCK_BYTES,
     SkipStats,
     discover_corpus,
     iter_documents,
 )
-from megatron_rembert.prep.demo_corpus import make_demo_corpus  # noqa: E402
-from megatron_rembert.prep.preprocess import PreprocessConfig, preprocess  # noqa: E402
-from megatron_rembert.prep.tokenizer import load_sentencepiece, train_tokenizer  # noqa: E402
+from megatron_rembert.prep.demo_corpus import make_demo_corpus
+from megatron_rembert.prep.preprocess import PreprocessConfig, preprocess
+from megatron_rembert.prep.tokenizer import load_sentencepiece, train_tokenizer
+
+# The smallest run (seconds): tests/bench/test_every_bench.py.
+TINY_ARGS = ["--corpus-mb", "0.1", "--vocab-size", "1000", "--seq-length", "64",
+             "--micro-batch", "2", "--batches", "2", "--repeats", "1"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -123,10 +126,11 @@ def repeat(fn: Callable[[], float], n: int) -> list[float]:
 
 def loader_run(data: Path, args: argparse.Namespace, whole_word: bool) -> float:
     """Tokens/s of one fresh in-process loader over `args.batches` micro-batches."""
-    it = build_pretraining_loader(
-        DataConfig(path=str(data), seq_length=args.seq_length, whole_word_mask=whole_word),
-        Layout(micro_batch_size=args.micro_batch, gas=8), seed=args.seed, num_workers=0,
-        num_micro_batches=args.batches + 1)
+    config = DataConfig(path=str(data), seq_length=args.seq_length, whole_word_mask=whole_word)
+    plan = DataPlan.resolve(config, 1, config.mask_prob)  # no schedule: one rate throughout
+    it = build_pretraining_loader(config, Layout(micro_batch_size=args.micro_batch, gas=8), plan,
+                                  seed=args.seed, num_workers=0,
+                                  num_micro_batches=args.batches + 1)
     next(it)  # opens the manifest and the maps: a one-off, kept off the clock
     t, c = time.perf_counter(), time.process_time()
     n = sum(1 for _ in it)

@@ -16,7 +16,7 @@
 Needs torch and triton only (no DeepSpeed); a GPU of compute capability >= 8.9 (Ada, Hopper).
 Exit status 1 when a check fails.
 
-    python bench/fp8_gpu.py [--steps 5] [--curve-steps 300] [--compile]
+    python -m bench.fp8_gpu [--steps 5] [--curve-steps 300] [--compile]
 """
 
 from __future__ import annotations
@@ -24,21 +24,16 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from train_throughput import make_batch, timed  # noqa: E402
-
-from megatron_rembert.config import ModelConfig, get_preset  # noqa: E402
-from megatron_rembert.model.rembert import RemBertForPreTraining  # noqa: E402
-from megatron_rembert.model.sizes import flops_per_token  # noqa: E402
-from megatron_rembert.model.transformer import TransformerLayer  # noqa: E402
-from megatron_rembert.parallel.fp8 import enable_fp8  # noqa: E402
-from megatron_rembert.parallel.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
+from bench.common import make_batch, relative_error, timed, write_json
+from megatron_rembert.config import ModelConfig, get_preset
+from megatron_rembert.model.rembert import RemBertForPreTraining
+from megatron_rembert.model.sizes import flops_per_token
+from megatron_rembert.model.transformer import TransformerLayer
+from megatron_rembert.parallel.fp8 import enable_fp8, follow_optimizer
+from megatron_rembert.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 # configs/demo.yaml's model (PyYAML is not needed here; a test keeps the two equal).
 DEMO_MODEL = get_preset("tiny").replace(vocab_size=1000, hidden_size=128, num_hidden_layers=4,
@@ -50,16 +45,27 @@ TOPIC_SIZE = 50  # ... drawn from one topic of this many token ids
 LEARNT = 0.8  # the bf16 demo run must end below this fraction of its first loss
 # The GEMM checks' tolerance on max|ours - reference| / max|reference|: the outputs are bf16.
 GEMM_TOLERANCE = 2e-2
+# Without CUDA (or fp8 tensor cores) it refuses with one line; its GEMM check also runs as a
+# test (pytest -m gpu). The smallest run: tests/bench/test_every_bench.py.
+NEEDS_CUDA = True
+TINY_ARGS = ["--steps", "1", "--batch", "2", "--seq", "64"]  # the demo curves in full
 
 
-def build(config: ModelConfig, device, fp8: bool) -> RemBertForPreTraining:
+def build(config: ModelConfig, device, fp8: bool, lr: float, **adamw
+          ) -> tuple[RemBertForPreTraining, torch.optim.AdamW]:
+    """The model in bf16 (its Transformer linears in fp8 if asked) and its AdamW (fused on
+    CUDA), whose steps renew the fp8 weight copies (fused AdamW moves no `_version`)."""
     torch.manual_seed(0)
     model = RemBertForPreTraining(config).to(device)
     model.init_weights(0)
     model = model.to(torch.bfloat16)
-    if fp8:
-        enable_fp8(m for m in model.modules() if isinstance(m, TransformerLayer))
-    return model
+    gemms = (enable_fp8(m for m in model.modules() if isinstance(m, TransformerLayer))
+             if fp8 else [])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr,
+                                  fused=torch.device(device).type == "cuda", **adamw)
+    if gemms:
+        follow_optimizer(gemms, optimizer)
+    return model, optimizer
 
 
 # -- 1. the GEMMs on CUDA against plain-torch quantisation ---------------------------------
@@ -67,11 +73,6 @@ def dequantized(t: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     fp8_max = torch.finfo(fp8_dtype).max
     scale = 2.0 ** math.floor(math.log2(fp8_max / t.detach().abs().max().item()))
     return (t.detach().float() * scale).to(fp8_dtype).float() / scale
-
-
-def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    err = ((ours.float() - ref).abs().max() / ref.abs().max()).item()
-    return err if math.isfinite(err) else float("inf")
 
 
 def check_gemms(device, tokens: int = 2048, hidden: int = 1152, ffn: int = 4608) -> list[str]:
@@ -108,8 +109,7 @@ def check_gemms(device, tokens: int = 2048, hidden: int = 1152, ffn: int = 4608)
 def model_step(config: ModelConfig, batch: int, seq: int, steps: int, device, fp8: bool,
                sync) -> dict:
     """The model's training step in bf16 with torch's fused AdamW: tokens/s and TFLOP/s."""
-    model = build(config, device, fp8)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    model, optimizer = build(config, device, fp8, lr=1e-4)
     batches = [make_batch(config, batch, seq, s, device) for s in range(steps + 1)]
 
     def step(b):
@@ -148,9 +148,7 @@ def synthetic_batch(config: ModelConfig, batch: int, seq: int, step: int, device
 def loss_curve(config: ModelConfig, steps: int, batch: int, seq: int, device, fp8: bool,
                lr: float = DEMO_LR, warmup: int = DEMO_WARMUP) -> list[float]:
     """`steps` AdamW steps (linear warm-up, then constant) on the synthetic batches."""
-    model = build(config, device, fp8)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01,
-                                  fused=device.type == "cuda")
+    model, optimizer = build(config, device, fp8, lr=lr, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / max(1, warmup)))
     losses = []
@@ -191,7 +189,7 @@ def table_figures(results: dict, peak: float | None, curves: list[list[float]]) 
     return {**step_figures(results, peak), "loss_ratio": fp8[-1] / bf16[-1]}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=5, help="timed steps (after one warm-up)")
@@ -203,13 +201,13 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true",
                         help="the rembert step with model.compile as well")
     parser.add_argument("--json", help="write the figures there (bench/gpu_table.py)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        sys.exit("bench/fp8_gpu.py needs a CUDA GPU of compute capability >= 8.9 (none found); "
-                 "the CPU tests run the fp8 path (tests/parallel/test_fp8.py)")
+        sys.exit("error: bench.fp8_gpu needs a CUDA GPU of compute capability >= 8.9 (none "
+                 "found); the CPU tests run the fp8 path (tests/parallel/test_fp8.py)")
     if torch.cuda.get_device_capability() < (8, 9):
-        sys.exit(f"bench/fp8_gpu.py: {torch.cuda.get_device_name()} has no fp8 tensor cores "
-                 "(compute capability < 8.9)")
+        sys.exit(f"error: bench.fp8_gpu: {torch.cuda.get_device_name()} has no fp8 tensor "
+                 "cores (compute capability < 8.9)")
     from megatron_rembert.training.metrics import peak_flops
 
     device = torch.device("cuda")
@@ -237,9 +235,7 @@ def main() -> None:
               for fp8 in (False, True)]
     failed += compare_curves(*curves, args.loss_tolerance)
     if args.json:  # bench/gpu_table.py: the eager step (the first one timed)
-        import json
-
-        Path(args.json).write_text(json.dumps(table_figures(first, peak, curves), indent=1))
+        write_json(args.json, table_figures(first, peak, curves))
     if not curves[0][-1] < LEARNT * curves[0][0]:  # else the comparison would say nothing
         print(f"  FAILED: bf16 did not learn (final loss not below {LEARNT} x the first)")
         failed.append("demo model learning")

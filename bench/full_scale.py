@@ -1,6 +1,6 @@
 """The rembert model end to end on this machine's CPUs: tp 2 x pp 2 on 4 processes, fp32.
 
-Stages (each timed; the memory of every process sampled from /proc by bench/memwatch.py):
+Stages (each timed; the memory of every process sampled from /proc by bench.memwatch):
   data        a 1 MB synthetic corpus, a SentencePiece tokenizer (`--tokenizer-vocab` pieces,
               smaller than the model's vocabulary: `data.allow_larger_vocab=true`), Arrow shards
   train       3 steps (seq 128, 4 micro-batches of 1), checkpoints at steps 2 and 3
@@ -30,14 +30,12 @@ import sys
 import time
 from pathlib import Path
 
+from bench.memwatch import mem_available, watch
+from megatron_rembert.checkpoint.step_folder import ROLLED_BACK
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from memwatch import watch  # noqa: E402
-
-from megatron_rembert.checkpoint.step_folder import ROLLED_BACK  # noqa: E402
-
+# The CI variant (minutes, 4 processes): tests/bench/test_full_scale.py checks its figures.
+TINY_ARGS = ["--small", "--out", "{tmp}"]
 GIB = 2**30
 SEQ, MICRO, GLOBAL = 128, 1, 4
 TRAIN_KEYS = [
@@ -52,13 +50,6 @@ TRAIN_KEYS = [
 
 def _python(*args: str, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=ROOT, check=True, **kw)
-
-
-def _mem_available() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    raise KeyError("MemAvailable")
 
 
 def import_baseline() -> int:
@@ -93,7 +84,7 @@ def pick_layers(vocab: int | None, overheads: dict[str, float], log) -> int:
     from megatron_rembert.config import get_preset
 
     full = get_preset("rembert").num_hidden_layers
-    budget = _mem_available() - sum(overheads.values()) - GIB  # 1 GiB for the page cache
+    budget = mem_available() - sum(overheads.values()) - GIB  # 1 GiB for the page cache
     for layers in range(full, 1, -1):
         need = 1.15 * sum(rank_estimates(config_for(layers, vocab, [])[0]).values())
         if need <= budget:

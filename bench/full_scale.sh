@@ -5,4 +5,4 @@
 #   bench/full_scale.sh [--small] [--layers N|auto] [--out DIR] [--keep]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec python bench/full_scale.py "$@"
+exec python -m bench.full_scale "$@"

@@ -1,7 +1,7 @@
 """The one table of bench/gpu_checks.sh: what the benches measured on this GPU, against the
 goals and the figures of the last GPU run before this work.
 
-    python bench/gpu_table.py RESULTS_DIR
+    python -m bench.gpu_table RESULTS_DIR
 
 Each bench run by gpu_checks.sh writes its figures as JSON into RESULTS_DIR (`--json`); a
 missing file (a bench that failed or timed out) shows as "not measured". Goals (one H200,
@@ -28,6 +28,8 @@ SCHEMA = {
 }
 ENGINE_ROW = {"gas", "bare", "trainer", "optimizer", "trainer_metrics"}
 STEP = {"tokens_per_s", "tflops", "mfu", "memory_gib"}  # a model or trainer step's figures
+# The smallest run: an empty folder, every line "not measured" (tests/bench/test_every_bench.py).
+TINY_ARGS = ["{tmp}"]
 
 # The README's H200 figures before this work (torch 2.11, bf16, 16 x 512).
 BEFORE = {
@@ -141,10 +143,11 @@ def rows(folder: Path) -> list[tuple[str, str, str, str, str]]:
     return out
 
 
-def main() -> int:
-    if len(sys.argv) != 2:
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
         sys.exit(__doc__)
-    table = rows(Path(sys.argv[1]))
+    table = rows(Path(argv[0]))
     widths = [max(len(r[i]) for r in table + [("what", "measured", "goal", "met", "before")])
               for i in range(5)]
     header = ("what", "measured", "goal", "met", "before this work")

@@ -1,7 +1,7 @@
 """train.py on a GPU, checked against itself: resume after SIGTERM, and TP and PP against one
 process, with the configuration users run (bf16, ds_configs/zero1_bf16.json, accumulation).
 
-    python bench/gpu_train_checks.py [--steps 20] [--signal-at 10] [--work DIR] [--workers 1]
+    python -m bench.gpu_train_checks [--steps 20] [--signal-at 10] [--work DIR] [--workers 1]
 
 1. One GPU, NCCL (world size 1): configs/tiny.yaml in bf16 with ds_configs/zero1_bf16.json, 4
    micro-batches per step, `--steps` steps; then the same run stopped by SIGTERM after step
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -28,7 +27,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout, uninstalled
+# The smallest run, on CPU with gloo (tests/bench/test_gpu_train_checks.py checks its lines).
+TINY_ARGS = ["--steps", "8", "--signal-at", "2", "--workers", "0", "--work", "{tmp}"]
 
 # Resumed runs repeat the same arithmetic; on a GPU some kernels (attention backward) may add
 # in another order from run to run. Layouts reorder bf16 sums (tests: <= 3e-4 on CPU).
@@ -68,9 +68,8 @@ def train(name: str, work: Path, nproc: int, sets: dict, signal_after: int | Non
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={nproc}", str(ROOT / "train.py"), "--config",
                str(ROOT / "configs" / "tiny.yaml")] + [a for x in args for a in ("--set", x)]
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    start = time.monotonic()
-    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+    start = time.monotonic()  # train.py's folder, the root, is on its module path
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     if signal_after is not None:
         while proc.poll() is None and max(losses(out / "logs"), default=0) < signal_after:
@@ -117,7 +116,7 @@ def compare(name: str, got: dict[int, float], expected: dict[int, float], rel: f
     return ok
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20)
@@ -126,7 +125,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1, help="data loader processes per rank")
     parser.add_argument("--layouts-only", action="store_true",
                         help="skip the SIGTERM and resume runs (only tp = 2 and pp = 2)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not 0 < args.signal_at < args.steps:
         parser.error("--signal-at must be between 0 and --steps")
     import torch

@@ -1,6 +1,6 @@
 """Correctness and speed of the Triton kernels on a CUDA GPU (needs only torch + triton).
 
-    python bench/kernels_gpu.py [--dtype fp32,bf16] [--time-dtype bf16] [--no-timing]
+    python -m bench.kernels_gpu [--dtype fp32,bf16] [--time-dtype bf16] [--no-timing]
                                 [--rows 8192] [--vocab 250300] [--e 1664]
                                 [--loss-chunks 0,512,1024,2048]
                                 [--micro 16] [--predictions 77]
@@ -39,24 +39,22 @@ from __future__ import annotations
 import argparse
 import sys
 from functools import partial
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
-
-from megatron_rembert.config import get_preset  # noqa: E402
-from megatron_rembert.kernels.cross_entropy import linear_cross_entropy  # noqa: E402
-from megatron_rembert.kernels.cross_entropy_tiling import recomputed_rows  # noqa: E402
-from megatron_rembert.kernels.softmax import (  # noqa: E402
+from bench.common import relative_error, write_json
+from megatron_rembert.config import get_preset
+from megatron_rembert.kernels.cross_entropy import linear_cross_entropy
+from megatron_rembert.kernels.cross_entropy_tiling import recomputed_rows
+from megatron_rembert.kernels.softmax import (
     fused_scale_mask_softmax,
     softmax_backward_torch,
     softmax_forward_torch,
 )
-from megatron_rembert.model.mlm_head import MLMHead  # noqa: E402
-from megatron_rembert.model.transformer import TransformerLayer  # noqa: E402
-from megatron_rembert.parallel.layers import init_weights  # noqa: E402
+from megatron_rembert.model.mlm_head import MLMHead
+from megatron_rembert.model.transformer import TransformerLayer
+from megatron_rembert.parallel.layers import init_weights
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
@@ -69,6 +67,10 @@ SOFTMAX_SHAPES = [(8, 16, 128), (4, 16, 512), (2, 16, 1000), (2, 4, 4096)]  # B 
 # Where the checks run and which path is "ours": tests/kernels/test_kernels_gpu_bench.py runs
 # them on CPU with the Triton interpreter (DEVICE "cpu", BACKEND "triton").
 DEVICE, BACKEND = "cuda", "auto"
+# Without CUDA it refuses with one line; its checks also run as tests (pytest -m gpu).
+NEEDS_CUDA = True
+# The smallest run: the checks at small sizes, no timing (tests/bench/test_every_bench.py).
+TINY_ARGS = ["--no-timing", "--rows", "64", "--vocab", "4133", "--e", "64"]
 
 
 class Checks:
@@ -88,14 +90,6 @@ class Checks:
         if not ok:
             self.failed.append(name)
         print(f"{'PASS' if ok else 'FAIL'}  {name}: {detail}", flush=True)
-
-
-def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    """max|ours - ref| / max|ref|; inf when ours is not finite where ref is."""
-    ours, ref = ours.float(), ref.float()
-    if not torch.isfinite(ours[torch.isfinite(ref)]).all():
-        return float("inf")
-    return ((ours - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
 
 def outputs_and_grads(fn, inputs: dict[str, torch.Tensor], seed: int = 0) -> dict:  # noqa: ANN001
@@ -365,7 +359,7 @@ def parse_gib(text: str) -> list[float]:
     return values
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", type=parse_dtypes, default="fp32,bf16",
                    help="dtypes to check, comma-separated (default fp32,bf16)")
@@ -388,10 +382,10 @@ def main() -> None:
                    help="head timing: GiB of kept logits, comma-separated (0: recompute; "
                         "default 0,1, 1 = model.loss_keep_logits_gib's default)")
     p.add_argument("--json", help="write the head timing's figures there (bench/gpu_table.py)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if not torch.cuda.is_available():
-        sys.exit("bench/kernels_gpu.py needs a CUDA GPU (none found); "
-                 "on CPU run the tests (pytest tests/kernels) and bench/loss_memory.py")
+        sys.exit("error: bench.kernels_gpu needs a CUDA GPU (none found); "
+                 "on CPU run the tests (pytest tests/kernels) and bench.loss_memory")
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     checks = Checks()
     for dtype in args.dtype:
@@ -404,9 +398,7 @@ def main() -> None:
         head = time_head(DTYPES[args.time_dtype], args.micro, args.predictions,
                          args.head_chunks, args.head_keep)
         if args.json:  # bench/gpu_table.py
-            import json
-
-            Path(args.json).write_text(json.dumps(head, indent=1))
+            write_json(args.json, head)
     print(f"\n{checks.total - len(checks.failed)} of {checks.total} checks passed")
     if checks.failed:
         sys.exit("FAILED: " + "; ".join(checks.failed))

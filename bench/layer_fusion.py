@@ -1,6 +1,6 @@
 """One Transformer layer, forward + backward: eager against model.compile, side by side.
 
-    python bench/layer_fusion.py [--preset rembert] [--batch 16] [--seq 512] [--dtype bf16]
+    python -m bench.layer_fusion [--preset rembert] [--batch 16] [--seq 512] [--dtype bf16]
                                  [--layers 4] [--iters 10] [--masked] [--dropout 0,0.1]
                                  [--attention-backend sdpa,fused_softmax] [--cpu]
 
@@ -28,24 +28,24 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
-
-from megatron_rembert.config import ModelConfig, get_preset  # noqa: E402
-from megatron_rembert.model.sizes import flops_per_token  # noqa: E402
-from megatron_rembert.model.transformer import TransformerLayer  # noqa: E402
-from megatron_rembert.parallel import random as tp_random  # noqa: E402
-from megatron_rembert.parallel.layers import init_weights  # noqa: E402
+from bench.common import device_sync, write_json
+from megatron_rembert.config import ModelConfig, get_preset
+from megatron_rembert.model.sizes import flops_per_token
+from megatron_rembert.model.transformer import TransformerLayer
+from megatron_rembert.parallel import random as tp_random
+from megatron_rembert.parallel.layers import init_weights
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ROUNDS = 5
+# The smallest run (seconds, CPU; compiling the layer is most of it): test_every_bench.py.
+TINY_ARGS = ["--preset", "tiny", "--batch", "2", "--seq", "16", "--layers", "2", "--iters", "1",
+             "--masked", "--dropout", "0.1", "--cpu", "--json", "{tmp}/layer.json"]
 
 
 def layer_training_flops(config: ModelConfig, seq: int) -> float:
@@ -171,7 +171,7 @@ def run(args) -> dict[tuple[str, float], dict]:
                  masked=args.masked)
     backends = (args.attention_backend or ("sdpa,fused_softmax" if gpu else "sdpa")).split(",")
     dropouts = [float(p) for p in (args.dropout or ("0,0.1" if gpu else "0")).split(",")]
-    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    sync = device_sync(device)
     base = get_preset(args.preset)
     print(f"{device.type} {torch.cuda.get_device_name() if gpu else ''} torch {torch.__version__}"
           f" | {args.preset} layer (H {base.hidden_size}, {base.num_attention_heads} heads, "
@@ -195,13 +195,7 @@ def run(args) -> dict[tuple[str, float], dict]:
     return results
 
 
-def write_json(path: str, figures: dict) -> None:
-    import json
-
-    Path(path).write_text(json.dumps(figures, indent=1))
-
-
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="rembert")
     p.add_argument("--batch", type=int, default=0, help="default: 16 on a GPU, 2 on CPU")
@@ -218,7 +212,7 @@ def main() -> None:
     p.add_argument("--cpu", action="store_true", help="on the CPU even where CUDA is present")
     p.add_argument("--json", help="write the first configuration's figures there "
                    "(bench/gpu_table.py)")
-    run(p.parse_args())
+    run(p.parse_args(argv))
 
 
 if __name__ == "__main__":

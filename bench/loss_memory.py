@@ -1,8 +1,8 @@
 """Peak memory and time of the MLM loss path, forward + backward, on CPU.
 
-    python bench/loss_memory.py --n 8192 --dtype bf16 --runs 5  # minutes with AMX/AVX512-BF16
-    python bench/loss_memory.py --n 256 --dtype bf16 --no-mkldnn   # the no-AVX512 route
-    python bench/loss_memory.py --n 1024 --v 65536 --dtype fp32 --runs 3
+    python -m bench.loss_memory --n 8192 --dtype bf16 --runs 5  # minutes with AMX/AVX512-BF16
+    python -m bench.loss_memory --n 256 --dtype bf16 --no-mkldnn   # the no-AVX512 route
+    python -m bench.loss_memory --n 1024 --v 65536 --dtype fp32 --runs 3
 
 Variants, each in its own fresh subprocess so that one cannot inherit the other's peak:
   ours   linear_cross_entropy (chunked; torch path on CPU), all N rows with weight 1
@@ -42,18 +42,13 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+from bench.memwatch import mem_available, status_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
 DTYPES = {"fp32": 4, "bf16": 2}
-
-
-def status_bytes(field: str) -> int:
-    """VmRSS (resident now) or VmHWM (this address space's peak) from /proc/self/status."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not found in /proc/self/status (this bench needs Linux)")
+# The smallest run (seconds; two child processes): tests/bench/test_every_bench.py.
+TINY_ARGS = ["--n", "64", "--v", "1000", "--e", "32", "--dtype", "fp32", "--runs", "1"]
 
 
 def reset_peak() -> None:
@@ -64,14 +59,6 @@ def reset_peak() -> None:
             f.write("5")
     except OSError:
         pass
-
-
-def mem_available() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def naive_estimate(n: int, v: int, e: int, itemsize: int) -> int:
@@ -183,15 +170,15 @@ def run_variant(variant: str, n: int, v: int, e: int, dtype: str, threads: int =
                 no_mkldnn: bool = False, glibc_default: bool = False,
                 chunk_elements: int | None = None, keep_gib: float = 0.0) -> dict:
     """One fresh child: {extra, baseline, seconds, loss} in bytes / s, or {error}."""
-    cmd = [sys.executable, __file__, "--child", variant, "--n", str(n), "--v", str(v),
-           "--e", str(e), "--dtype", dtype, "--threads", str(threads)]
+    cmd = [sys.executable, "-m", "bench.loss_memory", "--child", variant, "--n", str(n),
+           "--v", str(v), "--e", str(e), "--dtype", dtype, "--threads", str(threads)]
     cmd += ["--no-mkldnn"] if no_mkldnn else []
     cmd += ["--chunk-elements", str(chunk_elements)] if chunk_elements else []
     cmd += ["--keep-gib", str(keep_gib)] if keep_gib else []
     env = dict(os.environ)
     if not glibc_default:
         env["MALLOC_MMAP_THRESHOLD_"] = str(2**20)  # fixed: large buffers go back on free
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if proc.returncode < 0:
         return dict(error=f"killed by signal {-proc.returncode} (likely out of memory)")
     if proc.returncode != 0:
@@ -200,7 +187,7 @@ def run_variant(variant: str, n: int, v: int, e: int, dtype: str, threads: int =
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--n", type=int, default=8192, help="masked tokens (rows)")
     p.add_argument("--v", type=int, default=250_300, help="vocabulary size")
@@ -220,7 +207,7 @@ def main() -> None:
                    help="GiB of forward logits ours keeps for backward instead of recomputing "
                         "them (linear_cross_entropy's keep_logits_gib; default 0)")
     p.add_argument("--child", choices=["ours", "naive"], help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.child:
         child(args.child, args.n, args.v, args.e, args.dtype, args.threads, args.no_mkldnn,
               args.chunk_elements, args.keep_gib)

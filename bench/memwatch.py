@@ -1,6 +1,7 @@
-"""Run a command and record the peak memory of every process it starts.
+"""Run a command and record the peak memory of every process it starts; and the benches'
+other memory readings from /proc (`status_bytes`, `mem_available`).
 
-    python bench/memwatch.py --out peaks.json -- CMD ARGS...
+    python -m bench.memwatch --out peaks.json -- CMD ARGS...
 
 Polls /proc every 20 ms for the command and all its descendants; for each process it keeps the
 peak of its resident anonymous memory (RssAnon: what the process allocated itself) and of its
@@ -19,6 +20,28 @@ import time
 from pathlib import Path
 
 KIB = 1024
+
+# A command whose run is this module's smallest (tests/bench/test_every_bench.py).
+TINY_ARGS = ["--out", "{tmp}/peaks.json", "--", "{python}", "-c", "pass"]
+
+
+def status_bytes(field: str, pid: int | str = "self") -> int:
+    """One memory field of /proc/PID/status in bytes: VmRSS (resident now), VmHWM (this
+    address space's peak), RssAnon (what the process allocated itself). Raises KeyError if
+    the field is missing, OSError if the process is gone."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key == field:
+            return int(value.split()[0]) * KIB
+    raise KeyError(f"{field} not in /proc/{pid}/status (these benches need Linux)")
+
+
+def mem_available() -> int:
+    """Bytes the kernel says can be allocated without swapping (MemAvailable)."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * KIB
+    raise KeyError("MemAvailable not in /proc/meminfo")
 
 
 def _children(pid: int) -> list[int]:
@@ -47,15 +70,11 @@ def _tree(root: int) -> list[int]:
 
 
 def _status(pid: int) -> dict[str, int]:
-    fields = {}
+    """RssAnon and VmRSS of `pid` in bytes; empty if it has exited meanwhile."""
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key in ("RssAnon", "VmRSS"):
-                fields[key] = int(value.split()[0]) * KIB
-    except OSError:
+        return {key: status_bytes(key, pid) for key in ("RssAnon", "VmRSS")}
+    except (OSError, KeyError):
         return {}
-    return fields
 
 
 def _cmdline(pid: int) -> str:
@@ -97,11 +116,11 @@ def watch(cmd: list[str], interval: float = 0.02) -> tuple[int, dict[str, dict[s
     return proc.returncode, peaks, time.perf_counter() - start
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="JSON file for the peaks (bytes)")
     parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         parser.error("no command after --")

@@ -12,7 +12,7 @@ in bf16 with every gradient going into fp32 main gradients as the trainer's do
 the step times are projected from them and leave out the point-to-point sends, which move one
 B x S x H activation per micro-batch and stage boundary.
 
-    python bench/pipeline_balance.py [--preset rembert] [--micro-batches 8] [--pp 2,4,8]
+    python -m bench.pipeline_balance [--preset rembert] [--micro-batches 8] [--pp 2,4,8]
                                      [--repeats 10] [--dtype bf16] [--device cuda]
                                      [--set KEY=VALUE ...]
 
@@ -23,31 +23,30 @@ of bench/gpu_checks.sh; on CPU, e.g. `--device cpu --preset tiny --set data.seq_
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout, uninstalled
-sys.path.insert(0, str(ROOT / "bench"))
-
-from train_throughput import make_batch, timed  # noqa: E402
-
-from megatron_rembert.checkpoint.resume import parameter_balanced_boundaries  # noqa: E402
-from megatron_rembert.model.pipeline import (  # noqa: E402
+from bench.common import device_sync, make_batch, timed, write_json
+from megatron_rembert.checkpoint.resume import parameter_balanced_boundaries
+from megatron_rembert.model.pipeline import (
     EmbeddingPipe,
     MLMHeadPipe,
     TransformerLayerPipe,
     pipeline_inputs,
 )
-from megatron_rembert.model.sizes import flops_per_token  # noqa: E402
-from megatron_rembert.run_config import load_config  # noqa: E402
-from megatron_rembert.training.main_grads import attach_main_grad  # noqa: E402
-from megatron_rembert.training.metrics import peak_flops  # noqa: E402
-from megatron_rembert.training.plan import RunPlan  # noqa: E402
+from megatron_rembert.model.sizes import flops_per_token
+from megatron_rembert.run_config import load_config
+from megatron_rembert.training.main_grads import attach_main_grad
+from megatron_rembert.training.metrics import peak_flops
+from megatron_rembert.training.plan import RunPlan
 
+ROOT = Path(__file__).resolve().parents[1]
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# The smallest run (seconds, CPU): tests/bench/test_every_bench.py.
+TINY_ARGS = ["--device", "cpu", "--dtype", "fp32", "--preset", "tiny", "--pp", "2",
+             "--repeats", "1", "--set", "data.seq_length=32", "--set", "train.micro_batch_size=2",
+             "--set", "model.vocab_size=1000"]
 
 
 def layer_times(config, micro: int, seq: int, predictions: int, masked: int, dtype, device,
@@ -83,7 +82,7 @@ def layer_times(config, micro: int, seq: int, predictions: int, masked: int, dty
         out = head(carried)
         (out.loss_sum / out.num_tokens).backward()
 
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = device_sync(device)
     ms = [1e3 * timed(lambda _, f=f: f(), [None] * (repeats + 1), sync)  # median after 1 warm-up
           for f in (run_embedding, run_layer, run_head)]
     return [ms[0]] + [ms[1]] * m.num_hidden_layers + [ms[2]]
@@ -93,7 +92,7 @@ def stages(bounds: list[int], per_layer: list[float]) -> list[float]:
     return [sum(per_layer[bounds[i]:bounds[i + 1]]) for i in range(len(bounds) - 1)]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="rembert")
@@ -107,7 +106,7 @@ def main() -> None:
                         help="a config override, as train.py's (e.g. data.seq_length=128)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", help="write the layer times there (bench/gpu_table.py)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = torch.device(args.device)
     sizes = [int(p) for p in args.pp.split(",")]
     config = load_config(args.config, [f"model.preset={args.preset}", "parallel.tp=1",
@@ -126,11 +125,8 @@ def main() -> None:
           f"{per_layer[-1] / per_layer[1]:.2f} layers); m = {args.micro_batches} micro-batches "
           "per step")
     if args.json:  # bench/gpu_table.py
-        import json
-
-        Path(args.json).write_text(json.dumps({"embedding_ms": per_layer[0],
-                                               "layer_ms": per_layer[1],
-                                               "head_ms": per_layer[-1]}, indent=1))
+        write_json(args.json, {"embedding_ms": per_layer[0], "layer_ms": per_layer[1],
+                               "head_ms": per_layer[-1]})
     flops = flops_per_token(config.model, seq)["training"] * micro * seq  # per micro-batch
     peak = peak_flops(device)
     m = args.micro_batches

@@ -17,8 +17,9 @@ of this machine's GEMM peak, measured in the same run (a 2048^3 matmul and the m
 shapes, best of 3 before and 3 after the models). Also the loss alone (our head + fused loss,
 forward + backward).
 
-    python bench/real_proportions.py [--layers 2] [--batch 4] [--steps 2] [--threads N]
+    python -m bench.real_proportions [--layers 2] [--batch 4] [--steps 2] [--threads N]
                                      [--malloc heap|hugetlb|default|env]
+                                     [--preset rembert] [--seq 512]
 
 On CPU every step allocates parameter-sized gradients afresh, and with glibc's defaults each
 buffer over 32 MiB is a new mapping whose 4 KiB pages fault and are zeroed on first touch (the
@@ -40,22 +41,20 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import hf_labels, make_batch
+from megatron_rembert.config import get_preset
+from megatron_rembert.data.masking import default_max_predictions
+from megatron_rembert.kernels.cross_entropy_tiling import recomputed_rows
+from megatron_rembert.model.partition import pipeline_layer_flops
+from megatron_rembert.model.rembert import RemBertForPreTraining
 
-from train_throughput import hf_labels, make_batch  # noqa: E402
-
-from megatron_rembert.config import get_preset  # noqa: E402
-from megatron_rembert.data.masking import default_max_predictions  # noqa: E402
-from megatron_rembert.kernels.cross_entropy_tiling import recomputed_rows  # noqa: E402
-from megatron_rembert.model.partition import pipeline_layer_flops  # noqa: E402
-from megatron_rembert.model.rembert import RemBertForPreTraining  # noqa: E402
-
-SEQ = 512
+# The smallest run (seconds): the tiny preset's shapes, one layer, one timed step, glibc's
+# allocator as it is (tests/bench/test_every_bench.py).
+TINY_ARGS = ["--preset", "tiny", "--seq", "64", "--layers", "1", "--batch", "1", "--steps", "1",
+             "--malloc", "env"]
 MALLOC = {"default": "", "hugetlb": "glibc.malloc.hugetlb=1",
           "heap": "glibc.malloc.hugetlb=1:glibc.malloc.mmap_max=0:"
                   "glibc.malloc.trim_threshold=68719476736"}
@@ -72,6 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--malloc", choices=[*MALLOC, "env"], default="heap",
                    help="glibc allocator settings for the whole run (default heap; see above)")
+    p.add_argument("--preset", default="rembert", help="the model's shapes (default rembert)")
+    p.add_argument("--seq", type=int, default=512, help="tokens per sequence (default 512)")
     return p.parse_args(argv)
 
 
@@ -97,15 +98,15 @@ def gemm_peak(config, tokens: int, rows: int) -> dict[str, float]:
     return {name: gemm_rate(*shape) for name, shape in shapes.items()}
 
 
-def executed_flops(config, batch: int, predictions: int, full_head: bool) -> float:
+def executed_flops(config, batch: int, seq: int, predictions: int, full_head: bool) -> float:
     """Matmul FLOPs of one training step: ours (pipeline_layer_flops: the head on its P slots
     with the logits recomputed in backward, less the recomputation of the rows whose logits
     the loss keeps, model.loss_keep_logits_gib) or hf's (its head on all positions, no
     recomputation)."""
-    per_sequence = pipeline_layer_flops(config, SEQ, predictions, recompute=False)
+    per_sequence = pipeline_layer_flops(config, seq, predictions, recompute=False)
     h, e, v = config.hidden_size, config.output_embedding_size, config.vocab_size
     if full_head:
-        per_sequence[-1] = 3 * 2 * SEQ * (h * e + e * v)
+        per_sequence[-1] = 3 * 2 * seq * (h * e + e * v)
         return batch * sum(per_sequence)
     rows = batch * predictions
     kept = rows - recomputed_rows(rows, config.padded_vocab_size(), e, 4,  # fp32 here
@@ -159,7 +160,7 @@ def run_under_malloc(choice: str, argv: list[str]) -> None:
     if choice == "env" or os.environ.get("GLIBC_TUNABLES", "") == MALLOC[choice]:
         return
     env = {**os.environ, "GLIBC_TUNABLES": MALLOC[choice]}
-    os.execve(sys.executable, [sys.executable, str(Path(__file__).resolve()), *argv], env)
+    os.execve(sys.executable, [sys.executable, "-m", "bench.real_proportions", *argv], env)
 
 
 def main(argv=None) -> int:
@@ -172,10 +173,11 @@ def main(argv=None) -> int:
 
     from megatron_rembert.convert.hf import hf_config_dict, to_hf_state_dict
 
-    config = get_preset("rembert").replace(num_hidden_layers=args.layers)
-    predictions = default_max_predictions(SEQ)
-    tokens = args.batch * SEQ
-    batches = [make_batch(config, args.batch, SEQ, s, "cpu") for s in range(args.steps + 1)]
+    config = get_preset(args.preset).replace(num_hidden_layers=args.layers)
+    seq = args.seq
+    predictions = default_max_predictions(seq)
+    tokens = args.batch * seq
+    batches = [make_batch(config, args.batch, seq, s, "cpu") for s in range(args.steps + 1)]
     for b in batches:  # make_batch masks 15% (77 slots); the data pipeline's P is 80
         assert b["masked_positions"].shape[1] <= predictions
     before = gemm_peak(config, tokens, 128)
@@ -210,7 +212,7 @@ def main(argv=None) -> int:
     peaks = {name: max(before[name], after[name]) for name in before}
     peak = max(peaks.values())
 
-    print(f"rembert shapes, {args.layers} layers, batch {args.batch} x {SEQ} tokens, "
+    print(f"{args.preset} shapes, {args.layers} layers, batch {args.batch} x {seq} tokens, "
           f"{rows // args.batch} masked slots per sequence, fp32, {torch.get_num_threads()} "
           f"threads; GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r}")
     print("GEMM FLOP/s (fp32, best of 3 before and 3 after the models): " + "; ".join(
@@ -219,7 +221,7 @@ def main(argv=None) -> int:
     print(f"{'model':<5} {'s/step':>7} {'fwd+bwd':>8} {'optimizer':>9} {'tokens/s':>9} "
           f"{'GFLOP/step':>10} {'GFLOP/s':>8} {'of peak':>8} {'fwd+bwd of peak':>16}")
     for name, r in results.items():
-        flops = executed_flops(config, args.batch, rows // args.batch, name == "hf")
+        flops = executed_flops(config, args.batch, seq, rows // args.batch, name == "hf")
         print(f"{name:<5} {r['step']:7.2f} {r['forward+backward']:8.2f} {r['optimizer']:9.2f} "
               f"{tokens / r['step']:9.1f} {flops / 1e9:10.1f} {flops / r['step'] / 1e9:8.1f} "
               f"{flops / r['step'] / peak:8.1%} {flops / r['forward+backward'] / peak:16.1%}")

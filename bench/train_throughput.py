@@ -25,9 +25,9 @@ against the bare model + torch's fused AdamW (after clipping the gradient as the
 does) on the same batches, at each accumulation in `--engine-gas`, with the parts of the bare
 step (forward + backward per micro-batch, optimizer).
 
-    python bench/train_throughput.py [--steps 3] [--batch 16] [--seq 128] [--gpu-only]
-    python bench/train_throughput.py --trainer [--gpu-batch 16] [--gas 2] [--steps 3]
-    python bench/train_throughput.py --engine [--precision bf16] [--engine-gas 1 8]
+    python -m bench.train_throughput [--steps 3] [--batch 16] [--seq 128] [--gpu-only]
+    python -m bench.train_throughput --trainer [--gpu-batch 16] [--gas 2] [--steps 3]
+    python -m bench.train_throughput --engine [--precision bf16] [--engine-gas 1 8]
 """
 
 from __future__ import annotations
@@ -43,53 +43,22 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import device_sync, hf_labels, make_batch, timed, write_json
+from megatron_rembert.config import ModelConfig, get_preset
+from megatron_rembert.model.rembert import RemBertForPreTraining
+from megatron_rembert.model.sizes import flops_per_token
 
-from megatron_rembert.config import ModelConfig, get_preset  # noqa: E402
-from megatron_rembert.model.rembert import RemBertForPreTraining  # noqa: E402
-from megatron_rembert.model.sizes import flops_per_token  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+# The smallest run (seconds, CPU): the trainer against the bare model, tiny preset, one step
+# at gas 1 and 2 (tests/bench/test_gpu_table.py checks its figures).
+TINY_ARGS = ["--engine", "--engine-preset", "tiny", "--batch", "2", "--seq", "32",
+             "--engine-gas", "1", "2", "--steps", "1", "--json", "{tmp}/engine.json"]
 
 
 def bench_config() -> ModelConfig:
     return ModelConfig(vocab_size=250_300, hidden_size=512, num_hidden_layers=2,
                        num_attention_heads=8, intermediate_size=2048, input_embedding_size=256,
                        output_embedding_size=1664)
-
-
-def make_batch(config: ModelConfig, batch: int, seq: int, seed: int, device,
-               predictions: int | None = None) -> dict:
-    """Random tokens, `predictions` positions masked (default 15%; fixed width P, all slots
-    used)."""
-    g = torch.Generator().manual_seed(seed)
-    predictions = predictions or max(1, round(0.15 * seq))
-    ids = torch.randint(5, config.vocab_size, (batch, seq), generator=g)
-    positions = torch.stack([torch.randperm(seq, generator=g)[:predictions]
-                             for _ in range(batch)])
-    labels = ids.gather(1, positions)
-    ids = ids.scatter(1, positions, 4)  # [MASK]
-    out = dict(input_ids=ids, attention_mask=torch.ones_like(ids),
-               token_type_ids=torch.zeros_like(ids), masked_positions=positions,
-               masked_labels=labels, masked_weights=torch.ones(batch, predictions),
-               unpadded=torch.ones(1, dtype=torch.long))  # no padding: attention without mask
-    return {k: v if k == "unpadded" else v.to(device) for k, v in out.items()}
-
-
-def hf_labels(batch: dict) -> torch.Tensor:
-    labels = torch.full_like(batch["input_ids"], -100)
-    return labels.scatter(1, batch["masked_positions"], batch["masked_labels"])
-
-
-def timed(step, batches: list[dict], sync) -> float:
-    """Seconds per step: one warm-up step, then the median of the rest."""
-    times = []
-    for i, batch in enumerate(batches):
-        sync()
-        start = time.perf_counter()
-        step(batch)
-        sync()
-        if i:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def cpu_comparison(args) -> None:
@@ -166,8 +135,7 @@ def deepspeed_step_time(config: ModelConfig, batches: list[dict]) -> float:
     run = Config(model=config, train=TrainConfig(global_batch_size=b, micro_batch_size=b,
                                                   precision="fp32", seed=0))
     run.optim.lr, run.optim.warmup_steps, run.parallel.zero_stage = 1e-4, 1, 1
-    run.parallel.ds_config = str(Path(__file__).resolve().parents[1] / "ds_configs"
-                                 / "cpu_fp32.json")
+    run.parallel.ds_config = str(ROOT / "ds_configs" / "cpu_fp32.json")
     plan = RunPlan.build(run, 1)  # one process, one micro-batch per step
     state.initialize_model_parallel(plan.layout)
     trainer = Trainer(run, plan, device=torch.device("cpu"))
@@ -221,6 +189,21 @@ def bare_step_time(config: ModelConfig, dtype: torch.dtype, mixed: bool,
     return seconds, {k: statistics.median(v[len(v) // (steps + 1):]) for k, v in parts.items()}
 
 
+def engine_run_config(config: ModelConfig, precision: str, micro: int, gas: int, seq: int):
+    """The trainer's run config for the engine bench: the production DeepSpeed config of
+    `precision` (bf16 + zero1_bf16.json, fp32 + cpu_fp32.json), ZeRO-1, one process, `gas`
+    micro-batches of `micro` x `seq` per step."""
+    from megatron_rembert.run_config import Config, TrainConfig
+
+    run = Config(model=config, train=TrainConfig(
+        global_batch_size=micro * gas, micro_batch_size=micro, precision=precision, seed=0))
+    run.data.seq_length = seq
+    run.optim.lr, run.optim.warmup_steps, run.parallel.zero_stage = 1e-4, 1, 1
+    json_name = "zero1_bf16.json" if precision == "bf16" else "cpu_fp32.json"
+    run.parallel.ds_config = str(ROOT / "ds_configs" / json_name)
+    return run
+
+
 def engine_comparison(config: ModelConfig, precision: str, micro: int, seq: int,
                       gas_values: list[int], steps: int, device: torch.device) -> list[dict]:
     """Seconds per step of the trainer (DeepSpeed, production config of `precision`) and of the
@@ -230,27 +213,20 @@ def engine_comparison(config: ModelConfig, precision: str, micro: int, seq: int,
     import gc
 
     from megatron_rembert.parallel import state
-    from megatron_rembert.run_config import Config, TrainConfig
     from megatron_rembert.training.engine import Trainer
     from megatron_rembert.training.loop import setup_distributed
     from megatron_rembert.training.metrics import memory_gib, peak_flops
     from megatron_rembert.training.plan import RunPlan
 
-    root = Path(__file__).resolve().parents[1]
     os.environ.setdefault("MASTER_PORT", "29593")
     setup_distributed(10.0)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = device_sync(device)
     results = []
     for gas in gas_values:
         batches = [[make_batch(config, micro, seq, step * gas + i, "cpu") for i in range(gas)]
                    for step in range(steps + 1)]  # on the host, as the loader delivers them
-        run = Config(model=config, train=TrainConfig(
-            global_batch_size=micro * gas, micro_batch_size=micro, precision=precision, seed=0))
-        run.data.seq_length = seq
-        run.optim.lr, run.optim.warmup_steps, run.parallel.zero_stage = 1e-4, 1, 1
-        json_name = "zero1_bf16.json" if precision == "bf16" else "cpu_fp32.json"
-        run.parallel.ds_config = str(root / "ds_configs" / json_name)
+        run = engine_run_config(config, precision, micro, gas, seq)
         bare_rows = {}
         for mixed in ([False, True] if dtype != torch.float32 else [False]):
             bare_rows[mixed] = bare_step_time(config, dtype, mixed, batches, steps, device, sync,
@@ -335,12 +311,6 @@ def engine_report(args) -> None:
                                                   "clean" if sync else None)})
 
 
-def write_json(path: str, figures: dict) -> None:
-    import json
-
-    Path(path).write_text(json.dumps(figures, indent=1))
-
-
 def preset_throughput(preset: str, batch: int, seq: int, steps: int,
                       device: torch.device, unpadded: bool = True, compile: bool = False) -> dict:
     """One preset trained in bf16 with torch's fused AdamW: tokens/s, model TFLOP/s (the
@@ -365,7 +335,7 @@ def preset_throughput(preset: str, batch: int, seq: int, steps: int,
         (out.loss_sum / out.num_tokens).backward()
         optimizer.step()
 
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = device_sync(device)
     tokens_per_s = batch * seq / timed(step, batches, sync)
     tflops = flops_per_token(config, seq)["training"] * tokens_per_s / 1e12
     peak = peak_flops(device)
@@ -386,11 +356,10 @@ def trainer_throughput(preset: str, micro: int, gas: int, seq: int, steps: int) 
     from megatron_rembert.training.metrics import memory_gib, peak_flops
     from megatron_rembert.training.plan import RunPlan
 
-    root = Path(__file__).resolve().parents[1]
     os.environ.setdefault("MASTER_PORT", "29592")
-    config = load_config(root / "configs" / "rembert.yaml", [
+    config = load_config(ROOT / "configs" / "rembert.yaml", [
         f"model.preset={preset}", "parallel.tp=1", "parallel.pp=1",
-        f"parallel.ds_config={root / 'ds_configs' / 'zero1_bf16.json'}",
+        f"parallel.ds_config={ROOT / 'ds_configs' / 'zero1_bf16.json'}",
         f"train.micro_batch_size={micro}", f"train.global_batch_size={micro * gas}",
         f"data.seq_length={seq}", "optim.warmup_steps=1"])
     _, _, device = setup_distributed(config.parallel.timeout_minutes)
@@ -399,7 +368,7 @@ def trainer_throughput(preset: str, micro: int, gas: int, seq: int, steps: int) 
     trainer = Trainer(config, plan, device)
     batches = [[make_batch(config.model, micro, seq, step * gas + i, "cpu") for i in range(gas)]
                for step in range(steps + 1)]  # on the host, as the loader delivers them
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = device_sync(device)
     tokens_per_s = micro * gas * seq / timed(trainer.train_step, batches, sync)
     tflops = flops_per_token(config.model, seq)["training"] * tokens_per_s / 1e12
     peak = peak_flops(device)
@@ -473,7 +442,7 @@ def gpu_rembert(args) -> None:
     attention_paths(args.gpu_batch, 512, get_preset("rembert"))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up)")
@@ -498,7 +467,7 @@ def main() -> None:
                         help="precision for --engine")
     parser.add_argument("--json", help="--gpu-only or --engine: write the figures there "
                         "(bench/gpu_table.py)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.engine:
         engine_report(args)
         return

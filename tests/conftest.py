@@ -1,7 +1,11 @@
 """Test-wide settings.
 
 Triton kernels run on CPU tensors under the interpreter; the variable must be set before
-`triton` is first imported, so it is set here, before any test module is collected.
+`triton` is first imported, so it is set here, before any test module is collected. A run of
+the GPU tests alone (`pytest -m gpu`) leaves it unset: they run the compiled kernels.
+
+Tests marked `gpu` need a CUDA device: without one they are skipped, with that reason (the
+one rule for them, `pytest_collection_modifyitems` below).
 
 A test that starts processes (gloo ranks, torchrun, train.py or a data tool as a process,
 the loader's worker processes, SLURM jobs) is marked `multiprocess`, so that
@@ -18,8 +22,24 @@ from pathlib import Path
 
 import pytest
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_configure(config):
+    if config.getoption("markexpr") != "gpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="gpu: no CUDA device (run `pytest -m gpu` on a GPU)")
+        for item in gpu:
+            item.add_marker(skip)
 
 # Programs whose start makes a test multi-process: interpreters, shells, launchers. Compilers
 # and probes that libraries run on their own (ninja, ptxas, ldconfig) are not counted.

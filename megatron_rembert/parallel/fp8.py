@@ -23,11 +23,13 @@ bf16's (one all-reduce per attention and FFN block each way).
 
 Weight cache: a weight changes once per optimizer step, so its e4m3 copy, the transposed copy
 grad-input needs (column-major mat2) and its scale are kept until it changes. A copy is stale
-when the weight's `_version`, storage or dtype changed, or when any torch optimizer of this
-process has stepped since it was made: DeepSpeed writes the updated bf16 weights through
-`.data` (which does not move `_version`) right after its wrapped optimizer's `step()`. Code
-that writes weights through `.data` without an optimizer step calls
-`invalidate_weight_cache()`. Memory: 2 bytes per weight element (two fp8 copies).
+when the weight's `_version`, storage or dtype changed, or when the cache was invalidated:
+DeepSpeed writes the updated bf16 weights through `.data` (which does not move `_version`)
+right after its wrapped optimizer's `step()`, and torch's fused AdamW moves no `_version`
+either, so the owner of a model ties its caches to the optimizer that updates its weights
+(`follow_optimizer`: a hook on that one optimizer) or calls `invalidate_weight_cache(gemms)`
+after writing weights itself. Nothing is process-wide: a second model, fp8 or not, and its
+optimizer never touch this model's caches. Memory: 2 bytes per weight element (two fp8 copies).
 
 model.compile: the fp8 GEMM is left out of the compiled graph (`torch.compiler.disable`: its
 cache is Python state dynamo cannot guard); the rest of each layer compiles around it.
@@ -35,12 +37,12 @@ cache is Python state dynamo cannot guard); the rest of each layer compiles arou
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils.hooks import RemovableHandle
 
 from megatron_rembert.kernels.fp8 import (
     E4M3,
@@ -53,21 +55,6 @@ from megatron_rembert.kernels.fp8 import (
     scaled_mm,
 )
 from megatron_rembert.parallel.layers import ColumnParallelLinear, RowParallelLinear
-
-_generation = 0  # bumped after every optimizer step of this process: cached weights are stale
-_hook = None
-
-
-def invalidate_weight_cache(*_) -> None:
-    """Every cached fp8 weight is re-quantised at its next use (also the optimizer hook)."""
-    global _generation
-    _generation += 1
-
-
-def _register_optimizer_hook() -> None:
-    global _hook
-    if _hook is None:
-        _hook = register_optimizer_step_post_hook(invalidate_weight_cache)
 
 
 @dataclass
@@ -120,10 +107,15 @@ class Fp8Gemm:
     def __init__(self):
         self._weight: Fp8Weight | None = None
         self._key: tuple | None = None
+        self._generation = 0  # bumped by invalidate(): the cached copy is stale
         self.refreshes = 0  # how many times the weight was quantised (tests read it)
 
+    def invalidate(self) -> None:
+        """The weight is re-quantised at its next use."""
+        self._generation += 1
+
     def cached_weight(self, weight: torch.Tensor) -> Fp8Weight:
-        key = (_generation, weight._version, weight.data_ptr(), weight.dtype)
+        key = (self._generation, weight._version, weight.data_ptr(), weight.dtype)
         if key != self._key:
             self._weight, self._key = Fp8Weight.of(weight), key
             self.refreshes += 1
@@ -159,5 +151,20 @@ def enable_fp8(layers: Iterable[nn.Module]) -> list[Fp8Gemm]:
             raise ValueError(f"fp8: layer {name or type(module).__name__}: {problem}")
     for _, module in linears:
         module.fp8_gemm = Fp8Gemm()
-    _register_optimizer_hook()
     return [module.fp8_gemm for _, module in linears]
+
+
+def invalidate_weight_cache(gemms: Iterable[Fp8Gemm]) -> None:
+    """Each of `gemms` re-quantises its weight at its next use: after a write to the weights
+    that moves no `_version` (through `.data`, or torch's fused optimizers)."""
+    for gemm in gemms:
+        gemm.invalidate()
+
+
+def follow_optimizer(gemms: Sequence[Fp8Gemm], optimizer: torch.optim.Optimizer
+                     ) -> RemovableHandle:
+    """Invalidate `gemms`' cached weights after every `step()` of `optimizer`, the optimizer
+    whose step updates their weights (the one handed to DeepSpeed, which copies the new bf16
+    weights right after it). A hook on that optimizer alone; remove it with the handle."""
+    gemms = list(gemms)
+    return optimizer.register_step_post_hook(lambda *_: invalidate_weight_cache(gemms))

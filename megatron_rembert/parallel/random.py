@@ -79,6 +79,11 @@ def _seed_streams(seed: int, device: torch.device | str) -> None:
     torch.manual_seed(seed)
 
 
+def reset_tp_streams() -> None:
+    """Forget every TP stream (state.reset_process_state): the next use seeds it afresh."""
+    _tp_states.clear()
+
+
 def ensure_tp_stream(device: torch.device | str) -> None:
     """Seed the TP stream of `device` from the default seed if nothing has seeded it yet
     (a model used outside the trainer). Called before a compiled layer, which cannot seed."""

@@ -7,6 +7,12 @@ adjacent ranks, i.e. on one node when tp <= GPUs per node.
 The state is a module-level singleton, as in Megatron-LM: layers ask for the TP group when they
 run. Without `initialize_model_parallel` everything is a single process (tp = pp = dp = 1) and
 every collective is the identity.
+
+The package's process-wide state, all of it (a process is one rank): these groups, the
+communication device (`comm.set_device`) and the TP dropout stream (`random`); in the data
+loader's worker processes also their batch maker. `reset_process_state()` returns the first
+three to a fresh process's. Nothing else is global: an fp8 layer's weight cache is its own
+(parallel/fp8.py); tests/parallel/test_process_state.py keeps this list true.
 """
 
 from __future__ import annotations
@@ -105,6 +111,16 @@ def initialize_model_parallel(layout: Layout) -> ParallelState:
 def destroy_model_parallel() -> None:
     global _STATE
     _STATE = ParallelState()
+
+
+def reset_process_state() -> None:
+    """The package's process-wide state back to a fresh process's: no groups (one process),
+    collectives on the CPU, the TP dropout stream unseeded (seeded again at its next use)."""
+    from megatron_rembert.parallel import comm, random  # random imports this module
+
+    destroy_model_parallel()
+    comm.set_device("cpu")
+    random.reset_tp_streams()
 
 
 def get_state() -> ParallelState:

@@ -34,7 +34,7 @@ from megatron_rembert.model.pipeline import (
 from megatron_rembert.model.rembert import RemBertForPreTraining
 from megatron_rembert.model.transformer import TransformerLayer
 from megatron_rembert.parallel import comm, state
-from megatron_rembert.parallel.fp8 import enable_fp8
+from megatron_rembert.parallel.fp8 import enable_fp8, follow_optimizer
 from megatron_rembert.parallel.layers import init_weights, is_tp_sharded
 from megatron_rembert.parallel.random import checkpoint_safe
 from megatron_rembert.run_config import Config
@@ -124,10 +124,14 @@ class Trainer:
             model = RemBertForPreTraining(config.model)
             model.init_weights(config.train.seed)
             model.rembert.activation_checkpointing = config.parallel.activation_checkpointing
-        if config.train.fp8:  # the Transformer layers' linears multiply in fp8
-            enable_fp8(m for m in model.modules() if isinstance(m, TransformerLayer))
+        # train.fp8: the Transformer layers' linears multiply in fp8, their cached fp8 weights
+        # renewed after each step of this trainer's optimizer (no other's)
+        self.fp8_gemms = (enable_fp8(m for m in model.modules() if isinstance(m, TransformerLayer))
+                          if config.train.fp8 else [])
         model.to(device)
         optimizer = build_optimizer(model, config)
+        if self.fp8_gemms:
+            follow_optimizer(self.fp8_gemms, optimizer)
         scheduler = build_scheduler(optimizer, plan.lr)
         self.ds_config = deepspeed_config(config, plan.layout)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(

@@ -1,31 +1,25 @@
-"""bench/fp8_gpu.py's parts on CPU at small sizes (the fp8 GEMMs run on CPU too): its GEMM
+"""bench.fp8_gpu's parts on CPU at small sizes (the fp8 GEMMs run on CPU too): its GEMM
 check passes on the fp8 layers and FAILS when they are not in fp8, its step runs the fp8 GEMMs
 only when asked, the demo loss curves come out for both, and without a GPU it says so. The GPU
 run itself cannot happen here."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 
+from bench import fp8_gpu, gpu_table
 from megatron_rembert.run_config import load_config
-from tests.bench import bench_script
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "bench" / "fp8_gpu.py"
 
 
 @pytest.fixture
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("fp8_gpu", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return fp8_gpu
 
 
 def test_demo_model_is_the_demo_configs(bench):
@@ -94,21 +88,19 @@ def test_synthetic_rows_repeat_a_block_of_one_topic(bench):
 
 
 def test_help_and_no_gpu_message(bench, monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["fp8_gpu.py", "--help"])
     with pytest.raises(SystemExit) as exit_:
-        bench.main()
+        bench.main(["--help"])
     assert exit_.value.code == 0 and "--curve-steps" in capsys.readouterr().out
-    monkeypatch.setattr(sys, "argv", ["fp8_gpu.py"])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as exit_:
-        bench.main()
-    assert "needs a CUDA GPU" in str(exit_.value.code)
+        bench.main([])
+    assert str(exit_.value.code).startswith("error: bench.fp8_gpu needs a CUDA GPU")
 
 
 def test_table_figures_are_what_the_gpu_table_reads(bench):
     results = {False: {"tokens_per_s": 100.0, "tflops": 400.0},
                True: {"tokens_per_s": 130.0, "tflops": 520.0}}
     figures = bench.table_figures(results, 989e12, [[7.0, 4.0], [7.0, 4.2]])
-    assert figures.keys() == bench_script("gpu_table").SCHEMA["fp8"]
+    assert figures.keys() == gpu_table.SCHEMA["fp8"]
     assert figures["fp8_over_bf16"] == pytest.approx(1.3)
     assert figures["loss_ratio"] == pytest.approx(1.05)

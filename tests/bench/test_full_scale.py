@@ -1,26 +1,22 @@
-"""bench/full_scale.sh --small, the CI variant of the full-scale run: the rembert widths (H 1152,
-FFN 4608, E_in 256, E_out 1664) with 2 layers and a 16,000-row vocabulary over a 1,000-piece
-tokenizer, at tp 2 x pp 2 on 4 processes, fp32, through train.py and the convert CLI."""
+"""bench.full_scale --small (its TINY_ARGS), the CI variant of the full-scale run: the
+rembert widths (H 1152, FFN 4608, E_in 256, E_out 1664) with 2 layers and a 16,000-row
+vocabulary over a 1,000-piece tokenizer, at tp 2 x pp 2 on 4 processes, fp32, through train.py
+and the convert CLI."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
+import json
 
 import pytest
 
+from tests.bench import run_tiny
+
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
-ROOT = Path(__file__).resolve().parents[2]
 pytest.importorskip("transformers")
 
 
 def test_full_scale_small(tmp_path):
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    run = subprocess.run(["bash", "bench/full_scale.sh", "--small", "--out", str(tmp_path)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    run = run_tiny("full_scale", tmp_path, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    import json
 
     r = json.loads((tmp_path / "result.json").read_text())
     # A vocabulary larger than the tokenizer's, at TP 2 (padded to 16,128 rows, not 16,000):

@@ -1,31 +1,24 @@
 """bench/gpu_checks.sh's one table: the engine bench writes its figures (--json) in the shape
-bench/gpu_table.py reads (the other benches' tests check their files against gpu_table.SCHEMA),
+bench.gpu_table reads (the other benches' tests check their files against gpu_table.SCHEMA),
 and the table judges every goal from a full set of files."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from tests.bench import bench_script
-
-ROOT = Path(__file__).resolve().parents[2]
-gpu_table = bench_script("gpu_table")
+from bench import gpu_table
+from tests.bench import run_tiny
 
 STEP = {"tokens_per_s": 1e5, "tflops": 450.0, "mfu": 0.455, "memory_gib": 15.0}
 
 
 @pytest.mark.multiprocess
 def test_engine_bench_writes_what_the_table_reads(tmp_path):
-    """The trainer against the bare model on CPU (tiny preset, gas 1 and 2)."""
-    figures = tmp_path / "engine.json"
-    run = subprocess.run([sys.executable, "bench/train_throughput.py", "--engine",
-                          "--engine-preset", "tiny", "--batch", "2", "--seq", "32",
-                          "--engine-gas", "1", "2", "--steps", "1", "--json", str(figures)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    """The trainer against the bare model on CPU (tiny preset, gas 1 and 2): the bench's tiny
+    run."""
+    run = run_tiny("train_throughput", tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
+    figures = tmp_path / "engine.json"
     engine = json.loads(figures.read_text())
     assert engine.keys() == gpu_table.SCHEMA["engine"]
     assert engine["sync_debug"] is None  # the sync check runs on CUDA only

@@ -1,4 +1,4 @@
-"""bench/memwatch.py walks /proc while processes come and go: one that exits between being
+"""bench.memwatch walks /proc while processes come and go: one that exits between being
 listed and being read must not end the watch (CI once failed so, in bench/full_scale.sh)."""
 
 import subprocess
@@ -7,11 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.bench import bench_script
+from bench import memwatch
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
-
-memwatch = bench_script("memwatch")
 
 
 def test_an_exited_process_has_no_children(monkeypatch):

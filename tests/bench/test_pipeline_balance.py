@@ -1,4 +1,4 @@
-"""bench/pipeline_balance.py on CPU: the stages it times are the partitions the trainer and
+"""bench.pipeline_balance on CPU: the stages it times are the partitions the trainer and
 earlier versions build, and a stage's time is the sum of its layers' times."""
 
 import json
@@ -8,13 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from bench import gpu_table, pipeline_balance
 from megatron_rembert.checkpoint.resume import parameter_balanced_boundaries
 from megatron_rembert.run_config import load_config
 from megatron_rembert.training.plan import RunPlan
-from tests.bench import bench_script
 
 ROOT = Path(__file__).resolve().parents[2]
-pipeline_balance = bench_script("pipeline_balance")
 
 
 def test_stage_times_sum_their_layers():
@@ -28,7 +27,7 @@ def test_runs_and_times_both_partitions(dtype, tmp_path):
     sets = ["model.preset=rembert", "model.num_hidden_layers=6", "model.vocab_size=32000",
             "data.seq_length=64", "train.micro_batch_size=2", "parallel.tp=1"]
     figures = tmp_path / "parts.json"
-    run = subprocess.run([sys.executable, "bench/pipeline_balance.py", "--device", "cpu",
+    run = subprocess.run([sys.executable, "-m", "bench.pipeline_balance", "--device", "cpu",
                           "--dtype", dtype, "--pp", "2", "--repeats", "1", "--preset",
                           "rembert", *[a for s in sets[1:] for a in ("--set", s)],
                           "--json", str(figures)],
@@ -42,5 +41,5 @@ def test_runs_and_times_both_partitions(dtype, tmp_path):
         assert rows[name] == f"{bounds[1] - bounds[0]}/{bounds[2] - bounds[1]}", run.stdout
     assert "flops-balanced / parameter-balanced tokens/s" in run.stdout
     parts = json.loads(figures.read_text())
-    assert parts.keys() == bench_script("gpu_table").SCHEMA["parts"]
+    assert parts.keys() == gpu_table.SCHEMA["parts"]
     assert all(ms > 0 for ms in parts.values())

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Import the benchmark modules as a bare GPU image would: without the training stack.
 SCRIPT = """
-import importlib.abc, importlib.util, json, sys
+import importlib.abc, json, sys
 
 class Missing(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
@@ -23,14 +23,8 @@ class Missing(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, Missing())
 import torch
 
-def load(name):
-    spec = importlib.util.spec_from_file_location(name, f"bench/{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-load("kernels_gpu")
-bench = load("train_throughput")
+import bench.fp8_gpu, bench.kernels_gpu, bench.layer_fusion
+from bench import train_throughput as bench
 result = bench.preset_throughput("tiny", batch=2, seq=32, steps=2, device=torch.device("cpu"))
 print(json.dumps(result))
 """
@@ -53,9 +47,8 @@ def test_trainer_branch_runs_on_cpu():
     the tiny preset, on CPU with gloo."""
     import json
 
-    code = ("import importlib.util, json\n"
-            "spec = importlib.util.spec_from_file_location('tt', 'bench/train_throughput.py')\n"
-            "tt = importlib.util.module_from_spec(spec); spec.loader.exec_module(tt)\n"
+    code = ("import json\n"
+            "from bench import train_throughput as tt\n"
             "print(json.dumps(tt.trainer_throughput('tiny', micro=2, gas=2, seq=32, steps=2)))")
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          timeout=300)

@@ -110,6 +110,8 @@ def main() -> None:
     p.add_argument("--shard", type=int, default=0)
     p.add_argument("--shards", type=int, default=1)
     p.add_argument("--spill-probe", action="store_true")
+    p.add_argument("--archs", default=",".join(map(str, ARCHS)),
+                   help="sm_<arch> targets, comma-separated (default: ARCHS)")
     args = p.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
@@ -119,7 +121,8 @@ def main() -> None:
     names, configs, problems = discover()
     print(json.dumps(dict(discovered=names, problems=problems, configs=len(configs))),
           flush=True)
-    jobs = [(c, arch) for c in configs for arch in ARCHS][args.shard::args.shards]
+    archs = [int(a) for a in args.archs.split(",")]
+    jobs = [(c, arch) for c in configs for arch in archs][args.shard::args.shards]
     for config, arch in jobs:
         print(json.dumps(compile_one(config, arch)), flush=True)
 

@@ -3,7 +3,8 @@ configuration its launcher can choose, for fp32, bf16 and fp16. No GPU: triton's
 and ptxas run on CPU. The rest of tests/kernels runs the kernels under TRITON_INTERPRET, which
 accepts code the compiler refuses (a kernel reading a plain module global, for one), so this
 is the check that the kernels build at all. The compiles run in subprocesses without
-TRITON_INTERPRET (see tests/kernels/aot_compile.py), two at a time."""
+TRITON_INTERPRET (see tests/kernels/aot_compile.py), two at a time. On a GPU (`pytest -m gpu`)
+also for that GPU's own architecture."""
 
 from __future__ import annotations
 
@@ -60,6 +61,24 @@ def test_every_kernel_compiles_without_spills(tmp_path: Path) -> None:
     assert len(header["discovered"]) == jit_decorators_in_source() >= 4, header["discovered"]
     results = [r for shard in shards for r in shard[1:]]
     assert len(results) == 2 * header["configs"]  # each configuration for sm_80 and sm_90
+    assert_compiled_without_spills(results)
+
+
+@pytest.mark.gpu
+def test_every_kernel_compiles_for_this_gpu(tmp_path: Path) -> None:
+    """The same for the architecture of the GPU at hand (sm_90 on an H100 or H200, sm_100 on
+    a B200, ...): what the JIT builds there, compiled and checked for spills."""
+    import torch
+
+    major, minor = torch.cuda.get_device_capability()
+    (shard,) = run_workers([["--archs", str(10 * major + minor)]], tmp_path)
+    header, results = shard[0], shard[1:]
+    assert header["problems"] == [], "\n".join(header["problems"])
+    assert len(results) == header["configs"] > 0
+    assert_compiled_without_spills(results)
+
+
+def assert_compiled_without_spills(results: list[dict]) -> None:
     failed = [f"sm_{r['arch']} {r['label']}: {r['error']}" for r in results if "error" in r]
     assert not failed, f"{len(failed)} of {len(results)} compiles failed:\n" + "\n".join(
         failed[:5])

@@ -1,33 +1,24 @@
-"""The correctness checks of bench/kernels_gpu.py, run on CPU (Triton interpreter) at small
+"""The correctness checks of bench.kernels_gpu, run on CPU (Triton interpreter) at small
 sizes: they pass on the kernels and FAIL on a wrong result, so that the GPU run's exit status
 means something. The GPU run itself cannot happen here."""
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
 
-from tests.bench import bench_script
-
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "bench" / "kernels_gpu.py"
+from bench import common, gpu_table, kernels_gpu
 
 
 @pytest.fixture
 def bench(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    spec = importlib.util.spec_from_file_location("kernels_gpu", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    monkeypatch.setattr(module, "DEVICE", "cpu")
-    monkeypatch.setattr(module, "BACKEND", "triton")  # TRITON_INTERPRET is set by conftest
-    return module
+    monkeypatch.setattr(kernels_gpu, "DEVICE", "cpu")
+    monkeypatch.setattr(kernels_gpu, "BACKEND", "triton")  # TRITON_INTERPRET is set by conftest
+    return kernels_gpu
 
 
 def run_checks(bench: ModuleType, dtype: torch.dtype) -> Any:  # noqa: ANN401 - bench.Checks
@@ -61,23 +52,21 @@ def test_checks_fail_on_a_wrong_result(bench: ModuleType, monkeypatch: pytest.Mo
     assert not any(name.startswith("softmax") for name in failed)
 
 
-def test_relative_error_sees_nan(bench: ModuleType) -> None:
+def test_relative_error_sees_nan() -> None:
     ref = torch.ones(3)
-    assert bench.relative_error(torch.tensor([1.0, float("nan"), 1.0]), ref) == float("inf")
-    assert bench.relative_error(torch.tensor([1.0, 1.5, 1.0]), ref) == 0.5
+    assert common.relative_error(torch.tensor([1.0, float("nan"), 1.0]), ref) == float("inf")
+    assert common.relative_error(torch.tensor([1.0, 1.5, 1.0]), ref) == 0.5
 
 
 def test_help_and_no_gpu_message(bench: ModuleType, monkeypatch: pytest.MonkeyPatch,
                                   capsys: pytest.CaptureFixture) -> None:
-    monkeypatch.setattr(sys, "argv", ["kernels_gpu.py", "--help"])
     with pytest.raises(SystemExit) as exit_:
-        bench.main()
+        bench.main(["--help"])
     assert exit_.value.code == 0 and "--dtype" in capsys.readouterr().out
-    monkeypatch.setattr(sys, "argv", ["kernels_gpu.py", "--dtype", "bf16,fp32"])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as exit_:
-        bench.main()
-    assert "needs a CUDA GPU" in str(exit_.value.code)  # a message: exit status 1
+        bench.main(["--dtype", "bf16,fp32"])
+    assert str(exit_.value.code).startswith("error: bench.kernels_gpu needs a CUDA GPU")
 
 
 def test_loss_chunks_argument(bench: ModuleType) -> None:
@@ -166,7 +155,7 @@ def test_time_head_runs_each_chunk_and_keep(bench: ModuleType, monkeypatch: pyte
     figures = bench.time_head(torch.float32, 2, 5, [0, 8], [0.0, 1.0], preset="tiny", seq=16,
                               device="cpu")
     assert seen == [(None, 0.0), (None, 1.0), (8, 0.0), (8, 1.0)]
-    assert figures.keys() == bench_script("gpu_table").SCHEMA["head"]  # bench/gpu_table.py
+    assert figures.keys() == gpu_table.SCHEMA["head"]  # what bench.gpu_table reads
     assert figures["best"]["ms"] == 2.0 and figures["layer_ms"] == 2.0
     out = capsys.readouterr().out
     assert "one Transformer layer" in out and "rows 8, keep 1 GiB" in out

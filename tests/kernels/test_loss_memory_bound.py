@@ -1,4 +1,4 @@
-"""The fused loss's peak memory against its bound by construction (bench/loss_memory.py), in
+"""The fused loss's peak memory against its bound by construction (bench.loss_memory), in
 bf16 on the CPU GEMM route that once broke it: torch's fallback GEMM (CPUs without AVX512;
 forced here by disabling oneDNN) accumulates each bf16 product in an fp32 buffer of the
 product's full shape. The loss before the tiled backward added every chunk's product into the
@@ -10,26 +10,21 @@ half the rows' logits kept for backward (they count in the bound from forward to
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-pytestmark = pytest.mark.multiprocess  # every test here starts processes
+from bench import loss_memory
 
-ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
 BUDGET = 2**20
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("loss_memory", ROOT / "bench" / "loss_memory.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return loss_memory
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")

@@ -154,16 +154,17 @@ def test_dimensions_not_multiples_of_16_are_refused():
 
 
 # -- the weight cache ------------------------------------------------------------------------
-def test_cached_weights_follow_every_optimizer_step():
+def test_cached_weights_follow_their_optimizer():
     """Re-quantised once per weight change, not per GEMM: two forwards share one copy; after
-    a torch optimizer's step, or a write through `.data` (DeepSpeed's, which leaves _version
-    alone) followed by any optimizer's step, the GEMM uses the new weight."""
+    an in-place update (which moves `_version`), or a write that does not move it (DeepSpeed's
+    through `.data`, torch's fused AdamW) followed by a step of the optimizer the GEMMs follow,
+    the GEMM uses the new weight."""
     layer = make_layer(ColumnParallelLinear, 64, 48, torch.float32)
-    (gemm,) = fp8.enable_fp8([layer])
+    gemms = fp8.enable_fp8([layer])
     x, grad = inputs(64, 48, torch.float32)
     run_layer(layer, x, grad)
     run_layer(layer, x, grad)
-    assert gemm.refreshes == 1
+    assert gemms[0].refreshes == 1
 
     def forward_matches_reference():
         y = layer(x).detach()
@@ -172,16 +173,51 @@ def test_cached_weights_follow_every_optimizer_step():
 
     torch.optim.SGD(layer.parameters(), lr=10.0).step()  # a large step: scales change too
     forward_matches_reference()
-    assert gemm.refreshes == 2
+    assert gemms[0].refreshes == 2
 
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=1.0, fused=True)
+    fp8.follow_optimizer(gemms, optimizer)
     version = layer.weight._version
-    layer.weight.data.copy_(torch.randn_like(layer.weight))  # as DeepSpeed's ZeRO step
-    assert layer.weight._version == version  # why the cache also watches optimizer steps
-    other = torch.nn.Parameter(torch.zeros(1))
-    other.grad = torch.zeros(1)
-    torch.optim.SGD([other], lr=1.0).step()  # DeepSpeed steps its wrapped optimizer first
+    run_layer(layer, x, grad)
+    optimizer.step()
+    assert layer.weight._version == version  # why the cache also follows the optimizer
     forward_matches_reference()
-    assert gemm.refreshes == 3
+    assert gemms[0].refreshes == 3
+    layer.weight.data.copy_(torch.randn_like(layer.weight))  # as DeepSpeed's ZeRO step
+    assert layer.weight._version == version
+    optimizer.step()  # DeepSpeed steps its wrapped optimizer, then writes the weights
+    forward_matches_reference()
+    assert gemms[0].refreshes == 4
+
+
+def test_two_models_keep_their_own_caches():
+    """Two fp8 models in one process, each following its own optimizer, and a plain model
+    with another: a step of one optimizer renews its own model's fp8 weights only (a
+    process-wide hook once renewed every model's at every optimizer step in the process)."""
+    layers = [make_layer(ColumnParallelLinear, 64, 48, torch.float32, seed=s) for s in (0, 1)]
+    gemms = [fp8.enable_fp8([layer]) for layer in layers]
+    optimizers = [torch.optim.AdamW(layer.parameters(), lr=1.0, fused=True)
+                  for layer in layers]
+    for g, opt in zip(gemms, optimizers, strict=True):
+        fp8.follow_optimizer(g, opt)
+    plain = torch.nn.Linear(4, 4)
+    plain_optimizer = torch.optim.SGD(plain.parameters(), lr=1.0)
+    x, grad = inputs(64, 48, torch.float32)
+    before = [layer.weight.detach().clone() for layer in layers]
+    for layer in layers:
+        run_layer(layer, x, grad)
+    plain(torch.ones(4)).sum().backward()
+    plain_optimizer.step()  # another model's step
+    optimizers[1].step()  # the second fp8 model's
+    run_layer(layers[0], x, grad)
+    run_layer(layers[1], x, grad)
+    assert [g[0].refreshes for g in gemms] == [1, 2]
+    assert torch.equal(layers[0].weight, before[0])
+    assert not torch.equal(layers[1].weight, before[1])
+    for layer in layers:  # each GEMM on its own model's current weight
+        want = reference(x, layer.weight, layer.bias, grad)[0]
+        torch.testing.assert_close(layer(x).detach(), want, rtol=1e-5,
+                                   atol=1e-6 * want.abs().max().item())
 
 
 # -- tensor parallelism ---------------------------------------------------------------------

@@ -206,3 +206,61 @@ def test_checkpoints_resume_across_fp8_and_bf16(tiny_dataset, tmp_path):
         assert all(math.isfinite(loss) for _, loss in resumed["rows"])
     # Step 4 of each: the same batch, on weights that differ by 3 steps of fp8 vs bf16 rounding.
     assert bf16_resumed["rows"][0][1] == pytest.approx(fp8_resumed["rows"][0][1], rel=0.05)
+
+
+# -- two trainers in one process -------------------------------------------------------------
+def _two_trainers_worker(rank, world_size) -> dict:
+    """An fp8 trainer and a bf16 one built in one process, their steps interleaved: how often
+    the fp8 trainer's weights were quantised after each of its own calls, and its validation
+    losses."""
+    from megatron_rembert.parallel import state
+    from megatron_rembert.run_config import build_config
+    from megatron_rembert.training.engine import Trainer
+    from megatron_rembert.training.plan import RunPlan
+    from tests.training.helpers import micro_batches
+
+    def trainer(fp8: bool) -> Trainer:
+        model = {"preset": "tiny", **{k.split(".", 1)[1]: v for k, v in FP8_MODEL.items()}}
+        config = build_config({"model": model}, [
+            f"train.fp8={str(fp8).lower()}", "train.precision=bf16", "parallel.zero_stage=1",
+            f"parallel.ds_config={ROOT / 'ds_configs' / 'zero1_bf16.json'}",
+            "train.global_batch_size=4", "train.micro_batch_size=2", "data.seq_length=16",
+            "optim.warmup_steps=0", "optim.lr=1e-2"])
+        plan = RunPlan.build(config, world_size, rank)
+        state.initialize_model_parallel(plan.layout)
+        return Trainer(config, plan, torch.device("cpu"))
+
+    fp8, plain = trainer(True), trainer(False)
+    vocab = fp8.config.model.vocab_size
+    batches = [micro_batches(step, 4, 2, 0, 1, vocab) for step in range(3)]
+    refreshes, evals = [], []
+
+    def quantised() -> None:  # how often the fp8 trainer's weights were quantised so far
+        refreshes.append(sorted({g.refreshes for g in fp8.fp8_gemms}))
+
+    fp8.train_step(batches[0])
+    quantised()  # once, for both micro-batches
+    evals.append(fp8.eval_step(batches[2])[0])
+    quantised()  # its optimizer stepped: again
+    plain.train_step(batches[0])
+    plain.train_step(batches[1])
+    evals.append(fp8.eval_step(batches[2])[0])
+    quantised()  # the other trainer's steps: nothing to renew
+    fp8.train_step(batches[1])
+    quantised()  # no step of its own since the last evaluation: nothing to renew
+    evals.append(fp8.eval_step(batches[2])[0])
+    quantised()  # its own step: again
+    return {"refreshes": refreshes, "evals": evals, "gemms": len(fp8.fp8_gemms),
+            "plain_gemms": len(plain.fp8_gemms)}
+
+
+def test_two_trainers_in_one_process_do_not_share_fp8_state():
+    """A bf16 trainer's optimizer steps leave an fp8 trainer's cached weights alone (once,
+    every optimizer step of the process renewed every fp8 model's copies), and the fp8
+    trainer's own steps still renew them."""
+    (result,) = run_distributed(_two_trainers_worker, 1, timeout=600)
+    assert result["gemms"] == 12 and result["plain_gemms"] == 0  # 6 linears x 2 layers
+    assert result["refreshes"] == [[1], [2], [2], [2], [3]]
+    first, unchanged, trained = result["evals"]
+    assert unchanged == first  # the same weights, the same copies
+    assert trained != first

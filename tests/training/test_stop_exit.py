@@ -183,7 +183,6 @@ def test_stops_end_every_rank_at_once_and_resume_exactly(tmp_path, tiny_dataset)
 # start-up, to the ranks of the plan only (the others learn it from the ranks' agreement).
 STARTUP_DRIVER = """
 import importlib.abc, importlib.machinery, os, signal, sys
-sys.path.insert(0, {root!r})
 plan = {plan!r}
 
 def send():
@@ -242,7 +241,7 @@ STARTUP_POINTS = [
 @pytest.mark.parametrize("plan", STARTUP_POINTS, ids=[p["at"] for p in STARTUP_POINTS])
 def test_a_signal_during_start_up_exits_0_with_nothing_saved(tmp_path, tiny_dataset, plan):
     driver = tmp_path / "driver.py"
-    driver.write_text(STARTUP_DRIVER.format(root=str(ROOT), plan=plan))
+    driver.write_text(STARTUP_DRIVER.format(plan=plan))  # the installed package
     torchrun = Torchrun(tmp_path, tiny_dataset, script=str(driver))
     torchrun.wait()
     what = f"{plan}:\n{torchrun.output}\n{torchrun.rank_errors()}"
