@@ -23,6 +23,7 @@ FLOORS = (
     ("prep", "model"),  # offline data preparation; the model
     ("checkpoint",),  # below both training/ and convert/
     ("training", "convert"),  # peers: neither imports the other
+    ("eval",),  # evaluation: reads checkpoints (checkpoint/, convert/'s mapping), builds model/
     ("train", "summary", "plot"),  # entry points: parse, build, call
 )
 # What prep/ may take from data/: the shard format it writes and the sampling law that the
