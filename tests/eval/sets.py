@@ -7,6 +7,7 @@ from pathlib import Path
 
 from tests.eval.helpers import write_jsonl
 
+N = 60  # pairs per language of the `parallel` sets (conftest.py)
 MARKERS = ("alpha alpha", "omega omega")  # the separable task: the label's words lead the text
 
 

@@ -12,35 +12,10 @@ import pytest
 import sentencepiece as spm
 
 from megatron_rembert.eval.cli import main
-from tests.eval.helpers import tiny_model_config, write_checkpoint, write_jsonl
-from tests.eval.sets import sentences
+from tests.eval.helpers import tiny_model_config, write_checkpoint
+from tests.eval.sets import N
 
 ROOT = Path(__file__).resolve().parents[2]
-N = 60
-
-
-@pytest.fixture(scope="module")
-def parallel(tmp_path_factory, corpus_and_tokenizer):
-    """same.jsonl: each text is its own English side (plus one duplicate line); shuffled.tsv:
-    each English side is another pair's; noisy.jsonl: half the words swapped for another
-    sentence's (the bag of tokens is neither perfect nor lost)."""
-    corpus, _ = corpus_and_tokenizer
-    folder = tmp_path_factory.mktemp("parallel")
-    a, b = sentences(corpus, "latn_a", N), sentences(corpus, "latn_b", N)
-    write_jsonl(folder / "same.jsonl", [{"id": str(i), "text": t, "en": t}
-                                        for i, t in enumerate(a + a[:1])])
-    rolled = b[7:] + b[:7]  # a derangement: no pair keeps its own English side
-    lines = [f"{t}\t{e}\n" for t, e in zip(a, rolled, strict=True)]
-    (folder / "shuffled.tsv").write_text("".join(lines))
-
-    def noisy(t: str, other: str) -> str:
-        words, others = t.split(), other.split()
-        return " ".join(w if i % 2 == 0 or i >= len(others) else others[i]
-                        for i, w in enumerate(words))
-
-    write_jsonl(folder / "noisy.jsonl", [{"id": str(i), "text": t, "en": noisy(t, b[i])}
-                                         for i, t in enumerate(a)])
-    return folder
 
 
 def run(args: list[str], tmp_path: Path, capsys) -> dict:
