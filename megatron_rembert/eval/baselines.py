@@ -23,16 +23,16 @@ L2_WEIGHT = 1e-3
 WEIGHTINGS = ("counts", "tfidf")
 
 
-def count_vectors(docs: list[list[int]], columns: dict[int, int] | None = None
-                  ) -> tuple[torch.Tensor, dict[int, int]]:
-    """docs: token ids per text -> (N x U float64 counts, {token id: column}). The columns
-    are the ids that occur (`columns` extends a given map): a 250k vocabulary never becomes a
-    dense N x 250k matrix."""
+def count_vectors(docs: list[list[int]], columns: dict[int, int] | None = None,
+                  dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, dict[int, int]]:
+    """docs: token ids per text -> (N x U counts, {token id: column}). The columns are the ids
+    that occur (`columns` extends a given map): a 250k vocabulary never becomes a dense
+    N x 250k matrix."""
     columns = dict(columns or {})
     for doc in docs:
         for token in doc:
             columns.setdefault(token, len(columns))
-    out = torch.zeros(len(docs), max(len(columns), 1), dtype=torch.float64)
+    out = torch.zeros(len(docs), max(len(columns), 1), dtype=dtype)
     for row, doc in enumerate(docs):
         for token in doc:
             if token in columns:
@@ -44,13 +44,14 @@ def idf(counts: torch.Tensor) -> torch.Tensor:
     """Smoothed inverse document frequency of each column of an N x U count matrix."""
     n = counts.shape[0]
     df = (counts > 0).sum(dim=0).to(torch.float64)
-    return torch.log((1.0 + n) / (1.0 + df)) + 1.0
+    return (torch.log((1.0 + n) / (1.0 + df)) + 1.0).to(counts.dtype)
 
 
 def bag_retrieval(texts: list[list[int]], english: list[list[int]], weighting: str
                   ) -> tuple[float, float]:
     """(lang -> en, en -> lang) accuracy@1 of the count (or tf-idf) vectors' cosine."""
-    counts, _ = count_vectors(texts + english)
+    # float32: counts are exact in it, and the cosine is computed in it anyway (2N x U).
+    counts, _ = count_vectors(texts + english, dtype=torch.float32)
     if weighting == "tfidf":
         counts = counts * idf(counts)
     n = len(texts)

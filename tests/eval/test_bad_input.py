@@ -61,6 +61,8 @@ CASES = {
     "out_is_folder": ({"p/de.jsonl": _jsonl(GOOD), "o/x": ""},
                       ["--parallel", "{tmp}/p", "--out", "{tmp}/o"], "--out {tmp}/o: is a folder"),
     "epochs": ({}, ["--epochs", "0"], "--epochs 0: must be >= 1"),
+    "device": ({"p/de.jsonl": _jsonl(GOOD)}, ["--parallel", "{tmp}/p", "--device", "tpu"],
+               "--device tpu: expected cpu, cuda or cuda:N"),
 }
 
 
