@@ -188,21 +188,24 @@ def open_hf(path: str, tokenizer: str | None) -> ModelSource:
 
 
 def _check_hf_tensors(weights: Path, config: ModelConfig, source: str) -> None:
-    """Every stored tensor is a parameter of the model config.json describes (the MLM head's
-    too when any is stored), of its shape and a float dtype: from the header only."""
+    """Every stored encoder tensor is a parameter of the model config.json describes, of its
+    shape and a float dtype, and none is missing: from the header only. The MLM head's
+    tensors (a to-hf folder's `cls.*`) are not read, so not checked."""
     with safe_open_checked(weights) as f:
         stored = {t.name: t for t in safetensors_entries(f, weights)}
     ours, _ = our_names(stored, str(weights))
-    head = any(name.startswith("mlm_head.") for name in ours)
     expected = {s.name: s.shape for s in param_specs(config, 1)
-                if head or s.name.startswith(ENCODER_PREFIX)}
-    check_tensors({name: stored[hf] for name, hf in ours.items()}, expected, source)
+                if s.name.startswith(ENCODER_PREFIX)}
+    check_tensors({name: stored[hf] for name, hf in ours.items()
+                   if name.startswith(ENCODER_PREFIX)}, expected, source)
 
 
 def _hf_weights(folder: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
     weights = folder / HF_WEIGHTS
-    with safe_open_checked(weights) as f:
-        hf = {name: f.get_tensor(name) for name in f.keys()}
+    with safe_open_checked(weights) as f:  # the encoder's tensors only: no MLM head read
+        ours, _ = our_names(list(f.keys()), str(weights))
+        hf = {name: f.get_tensor(name) for mine, name in ours.items()
+              if mine.startswith(ENCODER_PREFIX)}
     full = from_hf_state_dict(hf, config)  # our names, vocabulary padded for tp = 1
     return {k.removeprefix(ENCODER_PREFIX): v.float() for k, v in full.items()
             if k.startswith(ENCODER_PREFIX)}
