@@ -16,7 +16,7 @@ class Settings:
     max_pairs: int = 1000
     seeds: int = 3
     epochs: int = 3
-    lr: float = 1e-4
+    lr: float = 1e-3
     batch_size: int = 32
     encode_batch_size: int = 64
     train_lang: str = "en"
