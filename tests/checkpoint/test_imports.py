@@ -24,6 +24,7 @@ FLOORS = (
     ("checkpoint",),  # below both training/ and convert/
     ("eval",),  # retrieval math the trainer logs while training, and the offline evaluation
     ("training", "convert"),  # peers: neither imports the other
+    ("eval",),  # evaluation: reads checkpoints (checkpoint/, convert/'s mapping), builds model/
     ("train", "summary", "plot"),  # entry points: parse, build, call
 )
 # What prep/ may take from data/: the shard format it writes and the sampling law that the
