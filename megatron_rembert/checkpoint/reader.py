@@ -214,10 +214,8 @@ class CheckpointReader:
 
     def _flat(self, path: Path, group, key: str) -> torch.Tensor:
         """The flat tensor a fragment lies in: a ZeRO partition (`group`: its index), or at
-        ZeRO stage 0 one parameter's own state (`group`: that state; 'fp32': the weight)."""
-        if self._plain:
-            if key == "fp32":
-                raise CheckpointError(f"{path}: internal: stage 0 masters are the weights")
+        ZeRO stage 0 one parameter's own Adam state (`group`: that parameter's state)."""
+        if self._plain:  # its masters are the weights (`_state_shard`)
             if key not in group:
                 raise CheckpointError(f"{path}: the optimizer holds no {key} (was the "
                                       "checkpoint saved before the first optimizer step?)")
@@ -253,9 +251,9 @@ class CheckpointReader:
         return global_name(int(idx), inner, self.model.num_hidden_layers)
 
     def _state_shard(self, spec: ParamSpec, tp_rank: int, key: str) -> torch.Tensor:
-        pieces = []
         if self._plain and key == "fp32":  # fp32 without ZeRO: the weights are the masters
             return self._weight_shard(spec, tp_rank)
+        pieces = []
         for _, path, group, start, numel in self._optim_index.get((tp_rank, spec.name), []):
             pieces.append(self._flat(path, group, key)[start:start + numel])
         shape = spec.local_shape(self.tp)
