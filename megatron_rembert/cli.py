@@ -20,8 +20,13 @@ def run_cli(main: Callable[[list[str] | None], int | None], argv: list[str] | No
     an `OSError` (a full disk, a read-only or lost file system) one `error: FILE: reason` line,
     followed by `on_os_error` (what to do next) if given, and exit 1; a `RunError` (a peer
     rank died or froze) its one line and exit 1. Anything else keeps its traceback (exit 1):
-    it is a bug or a failure the message alone would not explain."""
+    it is a bug or a failure the message alone would not explain.
+
+    Every argument must be UTF-8 text (`check_utf8`): a folder name with a byte such as 0xff
+    would otherwise reach the libraries that encode paths as UTF-8 (pyarrow, sentencepiece,
+    TensorBoard) and end there in a traceback."""
     try:
+        check_utf8(sys.argv[1:] if argv is None else argv)
         return main(argv) or 0
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -33,6 +38,30 @@ def run_cli(main: Callable[[list[str] | None], int | None], argv: list[str] | No
     except RunError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+
+
+class NotUTF8Error(UserError):
+    """A command-line argument that is not valid UTF-8."""
+
+
+def check_utf8(argv: list[str]) -> None:
+    """Refuse (NotUTF8Error, naming the flag and the argument) an argument holding bytes that
+    are not UTF-8: Python hands them on as lone surrogates (`os.fsdecode`), which encode
+    nowhere but back to the file system."""
+    for i, arg in enumerate(argv):
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError:
+            raw = os.fsencode(arg)
+            try:
+                raw.decode("utf-8")
+                bad = ""
+            except UnicodeDecodeError as err:
+                bad = f" (byte 0x{raw[err.start]:02x})"
+            flag = f"{argv[i - 1]} " if i and argv[i - 1].startswith("-") else ""
+            raise NotUTF8Error(
+                f"{flag}{raw.decode('utf-8', 'backslashreplace')}: not valid UTF-8{bad}; paths "
+                "and values must be UTF-8 text: rename the folder or file") from None
 
 
 def prog(module_form: str) -> str:

@@ -410,6 +410,24 @@ def _set_field(section_obj, section: str, name: str, value) -> None:
     setattr(section_obj, name, _coerce(value, fields[name].type, f"{section}.{name}"))
 
 
+class _PlainLoader(yaml.SafeLoader):
+    """safe_load without aliases: an alias (`*name`) repeats an anchored node by reference, so
+    a few lines can stand for billions of values (the "billion laughs"), which anything that
+    walks or prints the result (a type check, an error message) expands until memory runs
+    out. A config never needs one; refused where it is read, with the line it is on."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            raise yaml.composer.ComposerError(
+                None, None, "a YAML alias (*name): anchors and aliases are not allowed in a "
+                "config (write the value out)", self.peek_event().start_mark)
+        return super().compose_node(parent, index)
+
+
+def _plain_yaml(text: str):
+    return yaml.load(text, Loader=_PlainLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def _override_value(section: str, name: str, text: str):
     """The value of `--set section.name=text`: the text itself for a string key (a folder
     named 2024 stays "2024"), else a YAML scalar (numbers, true/false)."""
@@ -417,7 +435,9 @@ def _override_value(section: str, name: str, text: str):
     if (section, name) == ("model", "preset") or getattr(fields.get(name), "type", None) == "str":
         return text
     try:
-        return yaml.safe_load(text) if text else ""
+        return _plain_yaml(text) if text else ""
+    except yaml.composer.ComposerError as err:
+        raise ConfigError(f"--set {section}.{name}: {err.problem}") from None
     except yaml.YAMLError:
         return text  # not a YAML scalar: kept as text; the key's type check names it
 
@@ -471,10 +491,10 @@ def _check_sections(raw: dict, source: str) -> None:
 
 
 def _read_yaml(path: Path):
-    """Plain YAML only (safe_load: no `!!python/...` tags); any problem is one line naming
-    the file and line."""
+    """Plain YAML only (safe_load: no `!!python/...` tags; no aliases: `_PlainLoader`); any
+    problem is one line naming the file and line."""
     try:
-        return yaml.safe_load(path.read_bytes().decode("utf-8"))
+        return _plain_yaml(path.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as err:
         raise ConfigError(f"{path}: not UTF-8 text (byte {err.start})") from None
     except yaml.YAMLError as err:

@@ -2,18 +2,24 @@
 
 Two kinds of `step_XXXXXXXX/` folders are read:
 - DeepSpeed's files as the trainer saves them (pp = 1: `mp_rank_{tp}_model_states.pt` with the
-  TP shard under `module`; pp > 1: `layer_{idx}-model_{tp}-model_states.pt` per pipeline layer;
-  ZeRO-1/2 optimizer partitions `zero_pp_rank_{dp}_mp_rank_{pp*tp+tp}_optim_states.pt`);
+  TP shard under `module`, and at ZeRO stage 0 the torch optimizer's state under `optimizer`;
+  pp > 1: `layer_{idx}-model_{tp}-model_states.pt` per pipeline layer; ZeRO-1/2 optimizer
+  partitions `zero_pp_rank_{dp}_mp_rank_{pp*tp+tp}_optim_states.pt`, named with a `bf16_`
+  prefix when the run trained in bf16);
 - the portable format (portable.py): full tensors per pipeline layer.
 
 Both give full (TP-merged) tensors with the vocabulary padding stripped, one at a time; files
 are memory-mapped, so the peak memory is about one full tensor. The folder is checked against
 its manifest before any file is opened, and every pickle is loaded with `weights_only=True`.
+
+`master_weight` is what every conversion reads: the fp32 master weight wherever the checkpoint
+keeps one (a bf16 or fp16 run's module weights are rounded copies of it), in one place.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import torch
@@ -29,12 +35,17 @@ from megatron_rembert.checkpoint.specs import (
     ParamSpec,
     global_name,
     merge_shards,
+    optimizer_order,
     param_specs,
     pipe_name,
     shard,
 )
 from megatron_rembert.checkpoint.step_folder import StepFolder, verify
 from megatron_rembert.config import ConfigError, ModelConfig, get_preset
+
+# DeepSpeed's ZeRO optimizer files (runtime/engine.py: `_get_rank_zero_ckpt_name`): a `bf16_`
+# prefix whenever the run trained in bf16 (BF16_Optimizer at ZeRO-1, ZeRO-2 too).
+ZERO_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
 
 
 def model_config(meta: dict, path: Path) -> ModelConfig:
@@ -64,6 +75,10 @@ class CheckpointReader:
         self._by_name = {s.name: s for s in self.specs}
         self._files: dict[Path, object] = {}
         self._optim_index: dict[tuple[int, str], list] | None = None
+        # ZeRO stage 0 (fp32, pp = 1): the torch optimizer's state in the model files, by
+        # (TP rank, global name).
+        self.zero_stage = int(self.meta["config"].get("parallel", {}).get("zero_stage", 0))
+        self._plain = not self.portable and self.zero_stage == 0
         self._allowed = deepspeed_safe_globals() if not self.portable else []
         self._portable = PortableReader(self.folder) if self.portable else None
 
@@ -137,25 +152,26 @@ class CheckpointReader:
         return merge_shards([self._weight_shard(spec, r) for r in range(self.tp)], spec)
 
     # -- optimizer state ---------------------------------------------------------------
-    def _zero_files(self) -> list[Path]:
-        files = sorted(self.folder.glob("zero_pp_rank_*_mp_rank_*_optim_states.pt"))
+    def _zero_files(self) -> list[tuple[int, int, Path]]:
+        """(dp rank, mp rank, file) of every ZeRO optimizer file."""
+        files = sorted((int(m.group(1)), int(m.group(2)), path)
+                       for path in self.folder.iterdir()
+                       if (m := ZERO_FILE.fullmatch(path.name)))
         if not files:
-            stage = self.meta["config"].get("parallel", {}).get("zero_stage")
             raise CheckpointError(
-                f"{self.folder}: no ZeRO optimizer files (zero_pp_rank_*_optim_states.pt); "
-                f"this checkpoint was saved with parallel.zero_stage={stage}. Resharding "
-                "optimizer state needs ZeRO stage 1 or 2; convert the weights only "
-                "(--weights-only) or train with parallel.zero_stage=1")
+                f"{self.folder}: no ZeRO optimizer files ([bf16_]zero_pp_rank_*_optim_states.pt)"
+                f", though meta.json says parallel.zero_stage={self.zero_stage}: the folder is "
+                "incomplete; copy it again")
         return files
 
     def _index_optimizer(self) -> dict[tuple[int, str], list]:
         """(tp_rank, global name) -> [(dp_rank, file, group, start, numel)] by DP rank."""
+        if self._plain:
+            return self._index_plain_optimizer()
         index: dict[tuple[int, str], list] = {}
         steps: dict[int, float] = {}
         self.loss_scale = 1.0
-        for path in self._zero_files():
-            parts = path.name.split("_")  # zero pp rank {dp} mp rank {mp} optim states.pt
-            dp_rank, mp_rank = int(parts[3]), int(parts[6])
+        for dp_rank, mp_rank, path in self._zero_files():
             osd = self._load(path)["optimizer_state_dict"]
             for group, mapping in enumerate(osd["param_slice_mappings"]):
                 for engine_name, addr in mapping.items():
@@ -170,6 +186,44 @@ class CheckpointReader:
             fragments.sort(key=lambda f: f[0])
         return index
 
+    def _index_plain_optimizer(self) -> dict[tuple[int, str], list]:
+        """ZeRO stage 0: torch's optimizer state dict in each TP rank's model file, its
+        parameters numbered in the order training/optim.py grouped them (`optimizer_order`).
+        Each entry: [(0, file, state of that parameter, 0, numel)]."""
+        index: dict[tuple[int, str], list] = {}
+        names = [s.name for s in optimizer_order(self.specs)]
+        self.loss_scale, steps = 1.0, {}
+        for tp_rank in range(self.tp):
+            path = self.folder / f"mp_rank_{tp_rank:02d}_model_states.pt"
+            osd = self._load(path).get("optimizer")
+            if not isinstance(osd, dict) or not isinstance(osd.get("param_groups"), list):
+                raise CheckpointError(f"{path}: no optimizer state (a ZeRO stage 0 checkpoint "
+                                      "keeps it under 'optimizer')")
+            ids = [(g, i) for g, group in enumerate(osd["param_groups"]) for i in group["params"]]
+            if len(ids) != len(names):
+                raise CheckpointError(f"{path}: the optimizer holds {len(ids)} parameters, the "
+                                      f"model of meta.json has {len(names)}")
+            for name, (group, i) in zip(names, ids, strict=True):
+                st = osd["state"].get(i, {})
+                if "step" in st:
+                    steps[group] = float(st["step"])
+                numel = math.prod(self._by_name[name].local_shape(self.tp))
+                index[(tp_rank, name)] = [(0, path, st, 0, numel)]
+        self.optimizer_steps = [steps[g] for g in sorted(steps)]
+        return index
+
+    def _flat(self, path: Path, group, key: str) -> torch.Tensor:
+        """The flat tensor a fragment lies in: a ZeRO partition (`group`: its index), or at
+        ZeRO stage 0 one parameter's own Adam state (`group`: that parameter's state)."""
+        if self._plain:  # its masters are the weights (`_state_shard`)
+            if key not in group:
+                raise CheckpointError(f"{path}: the optimizer holds no {key} (was the "
+                                      "checkpoint saved before the first optimizer step?)")
+            return group[key].reshape(-1)
+        osd = self._load(path)["optimizer_state_dict"]
+        return (osd["single_partition_of_fp32_groups"][group] if key == "fp32"
+                else osd["base_optimizer_state"]["state"][group][key])
+
     def stored_optimizer(self) -> dict[tuple[str, int], StoredTensor]:
         """What the ZeRO files hold of each parameter, by (global name, TP rank), without
         merging anything: the total size of its fragments as a 1-d shape, and the dtype of
@@ -181,10 +235,9 @@ class CheckpointReader:
         for (tp_rank, name), fragments in self._optim_index.items():
             dtypes = []
             for _, path, group, _, _ in fragments:
-                osd = self._load(path)["optimizer_state_dict"]
-                moments = osd["base_optimizer_state"]["state"].get(group, {})
-                flats = [osd["single_partition_of_fp32_groups"][group],
-                         *(moments[k] for k in ("exp_avg", "exp_avg_sq") if k in moments)]
+                keys = ("exp_avg", "exp_avg_sq") if self._plain else ("fp32", "exp_avg",
+                                                                      "exp_avg_sq")
+                flats = [self._flat(path, group, k) for k in keys]
                 dtypes += [StoredTensor.of(path, name, flat).dtype for flat in flats]
             dtype = next((d for d in dtypes if d != "float32"), "float32")
             found[(name, tp_rank)] = StoredTensor(fragments[0][1], name,
@@ -198,12 +251,11 @@ class CheckpointReader:
         return global_name(int(idx), inner, self.model.num_hidden_layers)
 
     def _state_shard(self, spec: ParamSpec, tp_rank: int, key: str) -> torch.Tensor:
+        if self._plain and key == "fp32":  # fp32 without ZeRO: the weights are the masters
+            return self._weight_shard(spec, tp_rank)
         pieces = []
         for _, path, group, start, numel in self._optim_index.get((tp_rank, spec.name), []):
-            osd = self._load(path)["optimizer_state_dict"]
-            flat = (osd["single_partition_of_fp32_groups"][group] if key == "fp32"
-                    else osd["base_optimizer_state"]["state"][group][key])
-            pieces.append(flat[start:start + numel])
+            pieces.append(self._flat(path, group, key)[start:start + numel])
         shape = spec.local_shape(self.tp)
         total = sum(p.numel() for p in pieces)
         if total != math.prod(shape):
@@ -222,6 +274,22 @@ class CheckpointReader:
             self._optim_index = self._index_optimizer()
         spec = self._own(spec)
         return merge_shards([self._state_shard(spec, r, key) for r in range(self.tp)], spec)
+
+    def has_masters(self) -> bool:
+        """Whether `master_weight` reads fp32 masters kept apart from the module weights (the
+        ZeRO files of a stage 1/2 checkpoint) rather than the weights as stored: a portable
+        checkpoint's are its masters already, and without ZeRO the run trained in fp32."""
+        return not self.portable and self.zero_stage > 0
+
+    def master_weight(self, spec: ParamSpec) -> torch.Tensor:
+        """The most precise copy of a weight the checkpoint holds, full, vocabulary stripped:
+        the fp32 master weight from the ZeRO files (`has_masters`), else the weight as stored
+        (fp32 without ZeRO; a portable checkpoint stores the masters as its weights)."""
+        return self.full_state(spec, "fp32") if self.has_masters() else self.full_weight(spec)
+
+    def master_dtype(self, spec: ParamSpec) -> torch.dtype:
+        """The dtype `master_weight` returns, read without merging the tensor."""
+        return torch.float32 if self.has_masters() else self.weight_dtype(spec)
 
     def local_shard(self, key: str, spec: ParamSpec, tp: int, tp_rank: int) -> torch.Tensor:
         """TP rank `tp_rank` of `tp` of the optimizer's tensor `key` (NAME: the fp32 master

@@ -5,15 +5,13 @@ model is built, without the engine (loading into it is training/checkpoint.py).
   model, execution fields aside; the same tokenizer and dataset), how it loads at this run's
   layout (`check_layout`) and what changes, one notice each (`resume_notices`, and another
   pipeline stage split: `other_stage_split`);
-- `data_position`: where the data continues after the checkpoint's `consumed_samples`;
-- `reshard_command`: the conversion that keeps the weights of a checkpoint that cannot load.
+- `data_position`: where the data continues after the checkpoint's `consumed_samples`.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from pathlib import Path
 
 from megatron_rembert.checkpoint import CheckpointError
 from megatron_rembert.checkpoint.portable import is_portable
@@ -88,18 +86,13 @@ def other_stage_split(meta: dict, config: Config, layout: Layout,
     return None if list(saved) == list(boundaries) else list(saved)
 
 
-def reshard_command(folder: Path, tp: int, pp: int) -> str:
-    out = f"{str(folder.parent).rstrip('/')}-tp{tp}-pp{pp}"
-    return (f"python -m megatron_rembert.convert reshard --checkpoint {folder} --out {out} "
-            f"--tp {tp} --pp {pp} --weights-only, then resume with --set train.save_dir={out}")
-
-
 def check_layout(step: StepFolder, layout: Layout, saved_stages: list[int] | None = None
                  ) -> str:
     """How a checkpoint loads at this run's layout, decided before the model is built:
     'same' (everything, RNG states included), 'deepspeed' (DeepSpeed's own load: only dp
-    changed and no ZeRO partitions), or 'full' (full tensors read from the saved files and cut
-    for this layout, optimizer state included; the path of portable checkpoints).
+    changed and no ZeRO partitions), or 'full' (full tensors read from the saved files by
+    `CheckpointReader` and cut for this layout, fp32 masters and optimizer state included,
+    whatever the precision and ZeRO stage; the path of portable checkpoints).
 
     `saved_stages`: the checkpoint's pipeline split where it differs from this run's
     (`other_stage_split`); the same layout then also loads 'full': each stage's optimizer
@@ -108,18 +101,10 @@ def check_layout(step: StepFolder, layout: Layout, saved_stages: list[int] | Non
     saved, tp, pp = step.meta["layout"], layout.tp, layout.pp
     if saved == layout.sizes():
         return "same" if saved_stages is None else "full"
-    if is_portable(step.meta):
-        return "full"
     zero = int(step.meta["config"].get("parallel", {}).get("zero_stage", 0))
-    if zero > 0:
-        return "full"
-    if (saved.get("tp"), saved.get("pp")) == (tp, pp):
+    if not is_portable(step.meta) and zero == 0 and (saved.get("tp"), saved.get("pp")) == (tp, pp):
         return "deepspeed"
-    raise CheckpointError(
-        f"{step.path} was saved at tp={saved.get('tp')} pp={saved.get('pp')} with "
-        f"parallel.zero_stage=0, whose optimizer files cannot be re-cut; this run is tp={tp} "
-        f"pp={pp}. Resume at the saved tp and pp, or keep the weights only: "
-        f"{reshard_command(step.path, tp, pp)}")
+    return "full"
 
 
 def data_position(consumed_samples: int, global_batch_size: int) -> int:

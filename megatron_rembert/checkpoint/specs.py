@@ -70,6 +70,21 @@ def param_specs(config: ModelConfig, tp: int = 1) -> list[ParamSpec]:
             for name, p in model.named_parameters()]
 
 
+def no_weight_decay(name: str, ndim: int) -> bool:
+    """BERT's convention: no weight decay on biases and LayerNorm parameters. The optimizer's
+    two parameter groups (training/optim.py: decay, then no decay, each in the model's order)
+    follow it, and so does the numbering of a plain torch optimizer's saved state."""
+    return ndim == 1 or name.endswith(".bias")
+
+
+def optimizer_order(specs: list[ParamSpec]) -> list[ParamSpec]:
+    """`specs` (the model's order) in the order the optimizer holds them: the weight-decay
+    group first, then the others."""
+    decays = [not no_weight_decay(s.name, len(s.padded_shape)) for s in specs]
+    return ([s for s, d in zip(specs, decays, strict=True) if d]
+            + [s for s, d in zip(specs, decays, strict=True) if not d])
+
+
 def merge_shards(shards: list[torch.Tensor], spec: ParamSpec) -> torch.Tensor:
     """TP shards -> the full tensor, vocabulary padding stripped."""
     full = shards[0] if spec.split_dim is None else torch.cat(shards, dim=spec.split_dim)

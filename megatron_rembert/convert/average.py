@@ -6,8 +6,8 @@ layouts and formats (DeepSpeed's files at any TP x PP, or portable); `Checkpoint
 each tensor full and TP-merged, and the mean is taken tensor by tensor: the peak memory is a
 few copies of the largest tensor, never all checkpoints at once.
 
-What is averaged: the fp32 master weights where a checkpoint has them (ZeRO optimizer files,
-or a portable checkpoint written with its optimizer state), else the module weights; the sum
+What is averaged: each checkpoint's `master_weight` (checkpoint/reader.py: the fp32 master
+weights where a checkpoint has them, in every precision and ZeRO stage); the sum
 is accumulated in float64 and the mean stored as float32, so averaging copies of one
 checkpoint gives it back bit for bit. The optimizer state is not averaged (moments of
 different points in training do not describe the averaged point): the output is weights
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -52,19 +51,6 @@ def check_same_model(models: list[ModelConfig], folders: list[Path]) -> None:
                     f"has {first!r}; only checkpoints of one model can be averaged")
 
 
-def uses_zero_files(reader: CheckpointReader) -> bool:
-    return not reader.portable and any(reader.folder.glob("zero_pp_rank_*_optim_states.pt"))
-
-
-def master_weight(reader: CheckpointReader) -> Callable[[ParamSpec], torch.Tensor]:
-    """The most precise copy of each weight the checkpoint holds: the fp32 master weight from
-    the ZeRO optimizer files if there are any (a bf16 run's module weights are rounded), else
-    the weight as stored (a portable checkpoint stores the master weight as the weight)."""
-    if uses_zero_files(reader):
-        return lambda spec: reader.full_state(spec, "fp32")
-    return reader.full_weight
-
-
 def average(checkpoints: list[str], out: str, force: bool, log=print) -> Path:
     """Write the mean weights of `checkpoints` (step or save folders) as `out/step_N/`, N the
     newest input's step. Everything (inputs, models, every stored tensor's name, shape and
@@ -87,8 +73,8 @@ def average(checkpoints: list[str], out: str, force: bool, log=print) -> Path:
     with ExitStack() as stack:  # opening verifies every file against its manifest
         readers = [stack.enter_context(CheckpointReader(i)) for i in inputs]
         for reader in readers:
-            check_checkpoint(reader, optimizer=uses_zero_files(reader))
-        weights = [master_weight(r) for r in readers]
+            check_checkpoint(reader, optimizer=reader.has_masters())
+        weights = [r.master_weight for r in readers]
         specs = param_specs(readers[0].model, 1)
 
         def mean(spec: ParamSpec) -> torch.Tensor:

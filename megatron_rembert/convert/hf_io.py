@@ -51,7 +51,7 @@ def export_hf(checkpoint: str, out: str, tokenizer: str | None, force: bool,
     check_out_apart(out, [*checkpoint_inputs("--checkpoint", checkpoint, source.path),
                           ("--tokenizer" if tokenizer else "data.tokenizer", spm_path)])
     with CheckpointReader(source) as reader:
-        check_checkpoint(reader)
+        check_checkpoint(reader, optimizer=reader.has_masters())
         model = reader.model
         specs = param_specs(model, 1)
         kept = [s for s in specs if not (encoder_only and s.name.startswith("mlm_head."))]
@@ -65,13 +65,14 @@ def export_hf(checkpoint: str, out: str, tokenizer: str | None, force: bool,
         by_name = {s.name: s for s in specs}
         entries = [(hf, by_name[name]) for hf, name in hf_names(
             [s.name for s in specs], model, encoder_only)]
-        dtypes = {s.name: reader.weight_dtype(s) for _, s in entries}
+        # The fp32 masters where the checkpoint keeps them (a bf16 run's weights are rounded).
+        dtypes = {s.name: reader.master_dtype(s) for _, s in entries}
         with staged_output(out, force) as tmp:
             with SafetensorsWriter(tmp / "model.safetensors",
                                    [(n, dtypes[s.name], s.shape) for n, s in entries],
                                    metadata={"format": "pt"}) as writer:
                 for name, s in entries:
-                    writer.write(name, reader.full_weight(s))
+                    writer.write(name, reader.master_weight(s))
             arch = "RemBertModel" if encoder_only else "RemBertForMaskedLM"
             config = {"architectures": [arch], "model_type": "rembert", **hf_config_dict(model),
                       "dtype": str(next(iter(dtypes.values()))).removeprefix("torch.")}

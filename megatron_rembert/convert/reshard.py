@@ -1,7 +1,8 @@
 """Reshard a training checkpoint to another TP x PP (x DP) layout, optimizer state included.
 
 The output is a portable checkpoint (megatron_rembert/checkpoint/portable.py): full fp32
-master weights and Adam moments per pipeline layer, plus step counts, LR schedule and the data
+master weights (`CheckpointReader.master_weight`, also with --weights-only) and Adam moments
+per pipeline layer, plus step counts, LR schedule and the data
 position (`consumed_samples`, a global count, so the DP size may change too). The trainer
 loads it at the layout its config asks for; `--tp/--pp` (each defaults to the checkpoint's) are
 checked against the model here, so a layout that cannot be built fails now rather than on the
@@ -53,16 +54,12 @@ def reshard(checkpoint: str, out: str, tp: int | None, pp: int | None, force: bo
                 "source": str(reader.folder)}
         step = int(reader.meta["step"])
         if weights_only:
-            dtypes = {s.name: reader.weight_dtype(s) for s in specs}
-            weight, state = reader.full_weight, None
+            dtypes = {s.name: reader.master_dtype(s) for s in specs}
+            weight, state = reader.master_weight, None
         else:
             meta["optimizer"] = reader.optimizer_meta()
             dtypes = {s.name: torch.float32 for s in specs}
-
-            def weight(s):
-                return reader.full_state(s, "fp32")
-
-            state = reader.full_state
+            weight, state = reader.master_weight, reader.full_state
         with staged_output(out, force) as tmp:
             write_portable(tmp, specs, step, meta, weight, state, dtypes)
     log(f"wrote {out} (step {step}, {meta['consumed_samples']} samples consumed, "

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from megatron_rembert.checkpoint.specs import no_weight_decay
 from megatron_rembert.config import ConfigError
 from megatron_rembert.parallel import state
 from megatron_rembert.parallel.layout import Layout
@@ -96,17 +97,12 @@ def deepspeed_config(config: Config, layout: Layout) -> dict:
     return ds
 
 
-def _no_decay(name: str, param: nn.Parameter) -> bool:
-    # BERT convention: no weight decay on biases and LayerNorm parameters.
-    return param.ndim == 1 or name.endswith(".bias")
-
-
 def build_optimizer(model: nn.Module, config: Config) -> torch.optim.Optimizer:
     optim = config.optim
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if param.requires_grad:
-            (no_decay if _no_decay(name, param) else decay).append(param)
+            (no_decay if no_weight_decay(name, param.ndim) else decay).append(param)
     groups = [{"params": decay, "weight_decay": optim.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     betas = (optim.beta1, optim.beta2)

@@ -9,7 +9,9 @@ FAILING_RANK=<rank> in the environment (read here only, never by the package).
 - metrics-disk-full: metrics.jsonl takes its first row, then every write fails with ENOSPC (a
   Python file's OSError, which names no file).
 A real full disk is not available to a test (no tiny file system to mount), so the exception
-is raised where the file system would raise it: below the package's own code.
+is raised where the file system would raise it: below the package's own code. With
+FAILING_SAVE=<step folder name> set, the checkpoint failures hit only that step's save (the
+disk fills up later in the run: the earlier checkpoints are good).
 """
 
 from __future__ import annotations
@@ -19,13 +21,25 @@ import os
 import sys
 
 
+def _full(path) -> bool:
+    """Whether a write to `path` (in a step folder) finds the disk full."""
+    return (os.environ.get("FAILING_SAVE") or "step_") in str(path)
+
+
+def _saving(save_dir) -> bool:
+    """Whether a write into the save folder (DeepSpeed copies its scripts there, not into the
+    step folder) comes while FAILING_SAVE's step folder is written (always, unset)."""
+    step = os.environ.get("FAILING_SAVE")
+    return not step or os.path.isdir(os.path.join(save_dir, step))
+
+
 def _checkpoint_disk_full() -> None:
     import torch
 
     real_save = torch.save
 
     def save(obj, f, *args, **kwargs):
-        if isinstance(f, (str, os.PathLike)) and "step_" in str(f):
+        if isinstance(f, (str, os.PathLike)) and _full(f):
             raise RuntimeError("[enforce fail at inline_container.cc:626] . PytorchStreamWriter "
                                "failed writing file data/0: file write failed")
         return real_save(obj, f, *args, **kwargs)
@@ -59,7 +73,11 @@ def _metrics_disk_full() -> None:
 def _recovery_script_disk_full() -> None:
     from deepspeed.runtime import engine
 
+    real_copy = engine.copyfile
+
     def copyfile(src, dst, *args, **kwargs):
+        if not _saving(os.path.dirname(dst)):
+            return real_copy(src, dst, *args, **kwargs)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     engine.copyfile = copyfile  # DeepSpeed's own copy of zero_to_fp32.py into a ZeRO save
