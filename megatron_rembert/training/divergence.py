@@ -87,7 +87,7 @@ class DivergenceCheck:
             what = (f"the loss is {loss}" if not math.isfinite(loss) else
                     "the gradient norm is not finite")
             return self._stop(f"{what} and the update was applied")
-        if skipped:  # weights untouched: fp16's loss scaler halves its scale and tries again
+        if skipped:  # weights, Adam state and LR untouched (fp16: the loss scale halves)
             self.not_applied += 1
             if self.not_applied >= self.max_not_applied:
                 return self._stop(f"{self.not_applied} steps in a row whose update was not "

@@ -334,6 +334,7 @@ def _train(config: Config, rank: int, world: int, device: torch.device, stop: St
             log.console(f"signal received ({stop.name or 'by another rank'}): {kept}, "
                         "exiting for requeue")
             break
+    stop.settle()  # the run's last save is done: later stop signals change nothing
     log.close()
     return {"step": step, "last_saved": last_saved, "last": last, "stopped": stop.stopping,
             "save_dir": train_cfg.save_dir, "log_dir": train_cfg.log_dir}
