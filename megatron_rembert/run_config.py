@@ -108,8 +108,8 @@ class TrainConfig:
     resume_from: str = ""
     log_dir: str = "runs/logs"
     # An applied step with a non-finite loss or gradient norm stops the run at once; steps
-    # fp16's loss scaler skipped (weights untouched) stop it after this many non-finite
-    # losses in a row
+    # whose update was skipped for a non-finite gradient norm (weights untouched; never
+    # saved) stop it after this many in a row, or when the run ends on one
     max_nonfinite_steps: int = 10
     # Stop when a step's loss exceeds this factor times the mean of the last
     # train.divergence_window losses (0 = off, else above 1). 10 fires only on a broken model:

@@ -5,11 +5,12 @@ Launch one process per GPU with torchrun (or SLURM, see slurm/); on CPU the rank
 
 Exit codes: 0 done, or stopped by SIGTERM / SIGUSR1 / Ctrl-C after saving at the step
 boundary (during start-up: nothing to save yet); 2 bad settings or input (one `error:` line,
-before any heavy work), or a run that diverged (one `error:` line on every rank naming the
-step `latest` keeps; training/divergence.py); 130 a second Ctrl-C (no save; the last complete
-checkpoint is kept); 1 a failed write (one `error:` line naming the file), a peer rank that
-died, froze or stopped on its own error (one line naming this rank's position), or anything
-else.
+before any heavy work), or a run that diverged or ended on steps whose update was not applied
+(one `error:` line on every rank naming the last good step and the step `latest` keeps;
+training/divergence.py); 130 a second Ctrl-C after a first, before the save is done (no
+save; the last complete checkpoint is kept; signals after the save change nothing); 1 a failed
+write (one `error:` line naming the file), a peer rank that died, froze or stopped on its own
+error (one line naming this rank's position), or anything else.
 """
 
 from __future__ import annotations
@@ -26,15 +27,18 @@ def main(argv: list[str] | None = None) -> int:
 
     Stop signals are remembered from the first line on (training/signals.py): a stop during
     start-up, even during `import torch`, exits 0 with nothing to save. Once training has
-    begun the handlers stay until the process ends (a signal while the rank exits is not a
-    kill); a call that ends before (--help, --dry-run, bad settings) puts the old ones back."""
+    begun, the end of this call settles them: they are ignored until the process is gone (a
+    signal while the rank exits is not a kill); a call that ends before (--help, --dry-run,
+    bad settings) puts the old ones back."""
     stop = StopFlag()
     from megatron_rembert.cli import run_cli
 
     try:
         return run_cli(lambda args: _main(args, stop), argv)
     finally:
-        if not stop.in_use:
+        if stop.in_use:
+            stop.settle()
+        else:
             stop.restore()
 
 

@@ -1,12 +1,26 @@
-"""When a run has diverged, and which checkpoints are good.
+"""When a run has diverged, and which steps and checkpoints are good.
 
-A step is good when its loss is finite, its update was applied with a finite gradient norm
-(or skipped by fp16's loss scaler: weights untouched) and its loss is within
-`train.divergence_factor` of the mean of the last `train.divergence_window` losses. A
-checkpoint is good when its step was and, at save time, every weight is finite and at most
-`train.max_weight_abs` in magnitude. Anything else stops the run with a `DivergenceError` (one
-`error:` line, exit 2) naming the step `latest` still points at: `latest` never moves to a step
-that was not good.
+The rule, in one place: a run never reports success, exits 0 or moves `latest` onto a step
+after which no good update was applied.
+
+- A step is good when its update was applied with a finite loss and a finite gradient norm
+  and its loss is within `train.divergence_factor` of the mean of the last
+  `train.divergence_window` losses. Only a good step is saved; `latest` never moves past the
+  last good step.
+- An applied update with a non-finite loss or gradient norm (fp32 without ZeRO: the engine
+  applies whatever the gradient held) or a loss beyond the factor stops the run at once.
+- A step whose update was not applied (skipped for a non-finite gradient norm, in any
+  precision: fp16's loss scaler, the fp32 main gradients of bf16 and fp32 ZeRO-1,
+  DeepSpeed's ZeRO optimizers; weights, Adam state and LR schedule untouched) is tolerated
+  only between good steps: `train.max_nonfinite_steps` such steps in a row stop the run, and
+  so does reaching `train.steps` on one (the end of a run must be a good step; fp16 included,
+  whose loss-scale search skips steps now and then).
+- A stop signal after such steps saves nothing new and says which step was the last good one
+  (training/loop.py): the requeued run resumes from `latest` and redoes the steps after it.
+
+A checkpoint is good when its step was and, at save time, every weight is finite and at most
+`train.max_weight_abs` in magnitude. A stop is a `DivergenceError` (one `error:` line, exit 2)
+naming the last good step and the step `latest` still names.
 
 Every rank decides alike without a collective of its own: the loss and the gradient norm are
 already reduced over all ranks when a step ends, and the weights' largest magnitude is reduced
@@ -53,42 +67,59 @@ def kept(save_dir: str | Path) -> str:
 
 
 class DivergenceCheck:
-    """The per-step rule, fed the step's already reduced statistics (no device work)."""
+    """The per-step rule, fed the step's already reduced statistics (no device work).
+    `last_good`: the last good step (`start_step`, a resumed checkpoint's step, to begin
+    with; 0: none yet); `not_applied`: the steps after it whose update was not applied."""
 
-    def __init__(self, factor: float, window: int, max_nonfinite_skipped: int):
+    def __init__(self, factor: float, window: int, max_not_applied: int, start_step: int = 0):
         self.factor = factor  # 0: no loss-jump check
         self.window = window
-        self.max_nonfinite_skipped = max_nonfinite_skipped
+        self.max_not_applied = max_not_applied
         self.recent: deque[float] = deque(maxlen=window)
-        self.skipped_in_a_row = 0
+        self.last_good = start_step
+        self.not_applied = 0
 
-    def problem(self, loss: float, grad_norm_finite: bool, skipped: bool) -> str | None:
-        """Why this step diverged, or None; then the loss counts into the recent mean."""
-        if skipped:  # fp16 overflow: the loss scaler halves its scale and tries again
-            self.skipped_in_a_row = 0 if math.isfinite(loss) else self.skipped_in_a_row + 1
-            if self.skipped_in_a_row >= self.max_nonfinite_skipped:
-                return (f"{self.skipped_in_a_row} consecutive skipped steps with a non-finite "
-                        f"loss (train.max_nonfinite_steps={self.max_nonfinite_skipped})")
-        else:
-            self.skipped_in_a_row = 0
-            if not math.isfinite(loss):
-                return f"the loss is {loss}"
-            if not grad_norm_finite:
-                return "the gradient norm is not finite"
+    def problem(self, step: int, loss: float, grad_norm_finite: bool, skipped: bool,
+                last_step: bool = False) -> str | None:
+        """Why the run must stop after step `step` (`last_step`: the run's last), or None;
+        then a finite loss counts into the recent mean."""
+        if not skipped and not (math.isfinite(loss) and grad_norm_finite):
+            what = (f"the loss is {loss}" if not math.isfinite(loss) else
+                    "the gradient norm is not finite")
+            return self._stop(f"{what} and the update was applied")
+        if skipped:  # weights, Adam state and LR untouched (fp16: the loss scale halves)
+            self.not_applied += 1
+            if self.not_applied >= self.max_not_applied:
+                return self._stop(f"{self.not_applied} steps in a row whose update was not "
+                                  "applied (non-finite gradient norm or loss; "
+                                  f"train.max_nonfinite_steps={self.max_not_applied})")
+            if last_step:
+                return self._stop(f"the run ends on {self.not_applied} step(s) whose update "
+                                  "was not applied (non-finite gradient norm or loss; "
+                                  "tolerated only between good steps)")
         if math.isfinite(loss):
             if self.factor and len(self.recent) == self.window:
                 mean = sum(self.recent) / len(self.recent)
                 if loss > self.factor * mean:
-                    return (f"the loss {loss:.4g} is more than train.divergence_factor="
-                            f"{self.factor:g} times the mean of the last {self.window} steps "
-                            f"({mean:.4g})")
+                    return self._stop(
+                        f"the loss {loss:.4g} is more than train.divergence_factor="
+                        f"{self.factor:g} times the mean of the last {self.window} steps "
+                        f"({mean:.4g})")
             self.recent.append(loss)
+        if not skipped:
+            self.last_good, self.not_applied = step, 0
         return None
 
+    def last_good_said(self) -> str:
+        return (f"the last good step is {self.last_good}" if self.last_good else
+                "no step was good")
 
-def step_is_good(loss: float, grad_norm_finite: bool, skipped: bool) -> bool:
-    """Whether a step's statistics allow saving it (its weights are checked at the save)."""
-    return math.isfinite(loss) and (skipped or grad_norm_finite)
+    def unsaved(self, step: int) -> str:
+        """What a stop signal after step `step`, not good, says about it."""
+        return f"step {step} not saved (its update was not applied; {self.last_good_said()})"
+
+    def _stop(self, what: str) -> str:
+        return f"{what}; {self.last_good_said()}"
 
 
 @torch.no_grad()

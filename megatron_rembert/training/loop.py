@@ -31,12 +31,7 @@ from megatron_rembert.parallel import random as tp_random
 from megatron_rembert.parallel.layout import Layout
 from megatron_rembert.run_config import CHOICES, Config
 from megatron_rembert.training import checkpoint as ckpt
-from megatron_rembert.training.divergence import (
-    DivergenceCheck,
-    DivergenceError,
-    step_is_good,
-    stop_message,
-)
+from megatron_rembert.training.divergence import DivergenceCheck, DivergenceError, stop_message
 from megatron_rembert.training.hang import POSITION, Watchdog, describe, is_collective_failure
 from megatron_rembert.training.metrics import (
     MetricsLogger,
@@ -289,7 +284,7 @@ def _train(config: Config, rank: int, world: int, device: torch.device, stop: St
     flops_token = flops_per_token(config.model, data.seq_length, data.mask_prob)["training"]
     peak = peak_flops(device)
     divergence = DivergenceCheck(train_cfg.divergence_factor, train_cfg.divergence_window,
-                                 train_cfg.max_nonfinite_steps)
+                                 train_cfg.max_nonfinite_steps, start_step=step)
     last_saved = step if step else None
     last = {}
     clock = StepClock(step, train_cfg.steps)
@@ -302,8 +297,9 @@ def _train(config: Config, rank: int, world: int, device: torch.device, stop: St
         consumed += train_cfg.global_batch_size
         elapsed = time.perf_counter() - start
         # From the step's reduced statistics, alike on every rank: no collective here.
-        diverged = divergence.problem(stats.loss, stats.grad_norm_finite, stats.skipped)
-        good = step_is_good(stats.loss, stats.grad_norm_finite, stats.skipped)
+        diverged = divergence.problem(step, stats.loss, stats.grad_norm_finite, stats.skipped,
+                                      last_step=step == train_cfg.steps)
+        good = divergence.last_good == step
         tokens_per_s = train_cfg.global_batch_size * data.seq_length / elapsed
         last = {"loss": stats.loss, "mlm_acc": stats.mlm_acc, "lr": stats.lr,
                 "grad_norm": stats.grad_norm, "loss_scale": stats.loss_scale,
@@ -333,11 +329,12 @@ def _train(config: Config, rank: int, world: int, device: torch.device, stop: St
             last_saved = step
         if stopping:
             kept = (f"saved step {step}" if last_saved == step else
-                    f"step {step} not saved (non-finite loss); last checkpoint: "
+                    f"{divergence.unsaved(step)}; last checkpoint: "
                     f"{f'step {last_saved}' if last_saved else 'none'}")
             log.console(f"signal received ({stop.name or 'by another rank'}): {kept}, "
                         "exiting for requeue")
             break
+    stop.settle()  # the run's last save is done: later stop signals change nothing
     log.close()
     return {"step": step, "last_saved": last_saved, "last": last, "stopped": stop.stopping,
             "save_dir": train_cfg.save_dir, "log_dir": train_cfg.log_dir}

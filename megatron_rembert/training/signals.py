@@ -2,14 +2,25 @@
 
 train.py installs the handlers on its first line, before torch, DeepSpeed or the rest of this
 package are imported, so that a signal at any moment of a rank's life is remembered instead
-of killing it or raising KeyboardInterrupt, and they stay installed until the process ends.
-The ranks agree on the flag with one tiny all-reduce: right after the process group is up
-(a request during the imports or the rendezvous), before the first step (during the model
-build or the resume) and at each step boundary, then save (at a step boundary) and exit 0; a
-request during start-up exits 0 with nothing new to save. A second Ctrl-C exits at once with
-130, without saving: `latest` still names the last complete checkpoint. Repeated SIGTERM /
-SIGUSR1 only set the flag again. The data loader's workers leave the signals to their rank
+of killing it or raising KeyboardInterrupt. The ranks agree on the flag with one tiny
+all-reduce: right after the process group is up (a request during the imports or the
+rendezvous), before the first step (during the model build or the resume) and at each step
+boundary, then save (at a step boundary) and exit 0; a request during start-up exits 0 with
+nothing new to save. The data loader's workers leave the signals to their rank
 (data/loader.py).
+
+The job exits as the first signal asked, however many follow:
+- before the save is done, a later SIGTERM / SIGUSR1 / SIGINT only sets the flag again, except
+  a second Ctrl-C when the first stop request was a Ctrl-C too (half a second or more after
+  it): that exits at once with 130, without saving, and `latest` still names the last complete
+  checkpoint;
+- once the run's last save is done (a stop's or the end's), or the run ends otherwise,
+  `settle()` makes the process ignore the stop signals until it is gone: nothing changes any
+  more. An ignore, not a Python handler: the interpreter's teardown puts the default action
+  back for every signal that has a Python handler (CPython's signal module finalisation),
+  before torch's and DeepSpeed's modules are torn down, and a signal in that window killed
+  the rank (exit 128 + its number: 138 for SIGUSR1) and turned a clean stop into torchrun's
+  exit 1.
 
 This module imports only the standard library at its top: it is imported before anything else.
 """
@@ -33,8 +44,8 @@ class StopFlag:
 
     def __init__(self):
         self.raised = False
-        self.name = ""
-        self.in_use = False  # set once training begins: the handlers then stay
+        self.name = ""  # the first stop signal's
+        self.in_use = False  # set once training begins: then settled, never restored
         self.stopping = False  # the ranks' last agreement: stop
         self._first_interrupt: float | None = None
         self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
@@ -45,8 +56,14 @@ class StopFlag:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
+    def settle(self) -> None:
+        """The run's outcome is decided: from now on the stop signals are ignored, through
+        the interpreter's teardown too (see above)."""
+        for sig in SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+
     def _handle(self, signum, frame):
-        if signum == signal.SIGINT:
+        if signum == signal.SIGINT and self.name in ("", "SIGINT"):
             now = time.monotonic()
             if self._first_interrupt is None:
                 self._first_interrupt = now

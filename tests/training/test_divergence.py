@@ -24,7 +24,6 @@ from megatron_rembert.training.divergence import (
     DivergenceCheck,
     DivergenceError,
     check_weights,
-    step_is_good,
     weights_max_abs,
 )
 from tests.training.conftest import SEQ
@@ -34,52 +33,65 @@ NAN, INF = float("nan"), float("inf")
 
 
 # -- the per-step rule ----------------------------------------------------------------------
+def _feed(check: DivergenceCheck, steps: list[tuple], start: int = 0) -> list[str | None]:
+    """`problem` for each (loss, grad_norm_finite, skipped[, last_step]), numbered from
+    `start + 1`."""
+    return [check.problem(start + i, *s) for i, s in enumerate(steps, 1)]
+
+
 def test_an_applied_step_with_a_non_finite_loss_or_norm_stops_at_once():
     for loss, norm_finite in ((NAN, True), (INF, True), (-INF, False), (5.0, False)):
-        check = DivergenceCheck(factor=0.0, window=3, max_nonfinite_skipped=10)
-        assert check.problem(5.0, True, False) is None
-        assert check.problem(loss, norm_finite, False) is not None, (loss, norm_finite)
-    assert "loss is nan" in DivergenceCheck(0.0, 3, 10).problem(NAN, True, False)
-    assert "gradient norm" in DivergenceCheck(0.0, 3, 10).problem(5.0, False, False)
+        check = DivergenceCheck(factor=0.0, window=3, max_not_applied=10)
+        assert check.problem(1, 5.0, True, False) is None
+        said = check.problem(2, loss, norm_finite, False)
+        assert said.endswith("and the update was applied; the last good step is 1"), said
+        assert check.last_good == 1
+    assert "loss is nan" in DivergenceCheck(0.0, 3, 10).problem(1, NAN, True, False)
+    assert DivergenceCheck(0.0, 3, 10).problem(1, 5.0, False, False).startswith(
+        "the gradient norm is not finite and the update was applied; no step was good")
 
 
-def test_skipped_fp16_steps_stop_only_after_max_nonfinite_in_a_row():
-    check = DivergenceCheck(factor=0.0, window=3, max_nonfinite_skipped=3)
-    # An overflow with a finite loss (the usual loss-scale search) never counts.
-    assert all(check.problem(6.0, False, True) is None for _ in range(10))
-    assert check.problem(NAN, False, True) is None
-    assert check.problem(NAN, False, True) is None
-    assert check.problem(6.0, True, False) is None  # a real step resets the count
-    assert check.problem(NAN, False, True) is None
-    assert check.problem(INF, False, True) is None
-    assert "3 consecutive skipped steps" in check.problem(NAN, False, True)
+def test_steps_not_applied_are_tolerated_only_between_good_steps():
+    good, skipped = (6.0, True, False), (6.0, False, True)
+    check = DivergenceCheck(factor=0.0, window=3, max_not_applied=3)
+    # Two skipped steps (finite loss: fp16's loss-scale search, or an inf gradient), then a
+    # good one: the count starts again, and only good steps are good.
+    assert _feed(check, [skipped, (NAN, False, True), good, skipped, skipped]) == [None] * 5
+    assert (check.last_good, check.not_applied) == (3, 2)
+    said = check.problem(6, INF, False, True)  # the third in a row, whatever its loss
+    assert said == ("3 steps in a row whose update was not applied (non-finite gradient norm "
+                    "or loss; train.max_nonfinite_steps=3); the last good step is 3")
+    # Fewer than the tolerance, but the run's last step: not done either.
+    ending = DivergenceCheck(factor=0.0, window=3, max_not_applied=10)
+    assert _feed(ending, [good, skipped, (*skipped, True)], start=40) == [None, None, (
+        "the run ends on 2 step(s) whose update was not applied (non-finite gradient norm or "
+        "loss; tolerated only between good steps); the last good step is 41")]
+    assert _feed(DivergenceCheck(0.0, 3, 10), [skipped, (*good, True)]) == [None, None]
+    # After a resume the resumed step is the last good one.
+    resumed = DivergenceCheck(factor=0.0, window=3, max_not_applied=10, start_step=40)
+    assert resumed.problem(41, *skipped) is None
+    assert resumed.unsaved(41) == ("step 41 not saved (its update was not applied; the last "
+                                   "good step is 40)")
 
 
 def test_a_loss_beyond_the_factor_of_its_recent_mean_stops():
-    check = DivergenceCheck(factor=2.0, window=3, max_nonfinite_skipped=10)
+    check = DivergenceCheck(factor=2.0, window=3, max_not_applied=10)
     # The window fills first (no check while it holds fewer than 3 losses).
-    assert [check.problem(x, True, False) for x in (1.0, 100.0, 2.0)] == [None] * 3
+    assert _feed(check, [(x, True, False) for x in (1.0, 100.0, 2.0)]) == [None] * 3
     # Mean of (1, 100, 2) = 34.33: 68 is within 2x, then the window is (100, 2, 68).
-    assert check.problem(68.0, True, False) is None
+    assert check.problem(4, 68.0, True, False) is None
     mean = (100.0 + 2.0 + 68.0) / 3
-    assert check.problem(2 * mean, True, False) is None  # equal to the bound: allowed
+    assert check.problem(5, 2 * mean, True, False) is None  # equal to the bound: allowed
     mean = (2.0 + 68.0 + 2 * (100.0 + 2.0 + 68.0) / 3) / 3
-    message = check.problem(2 * mean * 1.001, True, False)
+    message = check.problem(6, 2 * mean * 1.001, True, False)
     assert "train.divergence_factor=2" in message and "last 3 steps" in message
+    assert message.endswith("; the last good step is 5") and check.last_good == 5
     # Non-finite losses of skipped steps never enter the mean; factor 0 never checks.
-    off = DivergenceCheck(factor=0.0, window=1, max_nonfinite_skipped=10)
-    assert [off.problem(x, True, False) for x in (1.0, 1e6, 1e12)] == [None] * 3
-    skipping = DivergenceCheck(factor=2.0, window=1, max_nonfinite_skipped=10)
-    assert skipping.problem(1.0, True, False) is None
-    assert skipping.problem(NAN, False, True) is None
-    assert skipping.problem(1.9, True, False) is None  # against 1.0, not NaN
-
-
-def test_a_step_is_good_when_its_loss_and_applied_norm_are_finite():
-    assert step_is_good(3.0, True, False)
-    assert step_is_good(3.0, False, True)  # fp16 skipped it: weights untouched
-    assert not step_is_good(3.0, False, False)
-    assert not step_is_good(NAN, True, False) and not step_is_good(INF, False, True)
+    off = DivergenceCheck(factor=0.0, window=1, max_not_applied=10)
+    assert _feed(off, [(x, True, False) for x in (1.0, 1e6, 1e12)]) == [None] * 3
+    skipping = DivergenceCheck(factor=2.0, window=1, max_not_applied=10)
+    assert _feed(skipping, [(1.0, True, False), (NAN, False, True), (1.9, True, False)]) == \
+        [None] * 3  # 1.9 against 1.0, not NaN
 
 
 def test_divergence_settings_are_checked():
@@ -191,7 +203,8 @@ RUNS = [
     # The attack: NaN from step 2; the run used to print "done at step 4" and exit 0.
     ("nan-from-step-2-short-run", {"optim.lr": 1e6, "optim.warmup_steps": 0,
                                    "train.save_interval": 0}, None,
-     "step 2: the loss is nan; stopping. no checkpoint is kept", []),
+     "step 2: the loss is nan and the update was applied; the last good step is 1; stopping. "
+     "no checkpoint is kept", []),
     # The same learning rate, saving every step: step 1's loss is finite, its weights ~1e6.
     ("huge-lr-weights-refused-at-first-save", {"optim.lr": 1e6, "optim.warmup_steps": 0},
      None, "step 1: the largest |weight| is 1e+06, beyond train.max_weight_abs=10000", []),

@@ -40,14 +40,16 @@ def _train_fp16(rank, world_size, sets):
 
 def test_overflow_skips_the_step_and_halves_the_scale(tmp_path, tiny_dataset):
     """A loss scale of 2^24 overflows the fp16 gradients: such a step leaves the weights and
-    the learning-rate schedule alone and halves the scale, until the scale fits. The loss is
-    finite throughout, so these steps never count towards train.max_nonfinite_steps."""
+    the learning-rate schedule alone and halves the scale, until the scale fits. Such steps
+    count towards train.max_nonfinite_steps like any step whose update was not applied (set
+    here above this search's length) and are never saved."""
     ds_config = tmp_path / "fp16_high_scale.json"
     ds_config.write_text(json.dumps({"fp16": {"loss_scale": 0, "initial_scale_power": 24,
                                               "loss_scale_window": 1000, "hysteresis": 1}}))
     sets = overrides(tmp_path, *tiny_dataset, **{
         "train.precision": "fp16", "parallel.ds_config": ds_config, "train.steps": 12,
-        "train.max_nonfinite_steps": 2, "train.eval_interval": 0})
+        "train.max_nonfinite_steps": 12, "train.eval_interval": 0,
+        "train.save_interval": 1, "train.keep_last": 12})
     changed = run_distributed(_train_fp16, 2, sets, timeout=300)[0]
     rows = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text()
             .splitlines()]
@@ -65,3 +67,5 @@ def test_overflow_skips_the_step_and_halves_the_scale(tmp_path, tiny_dataset):
     train = losses(tmp_path / "logs")
     assert all(torch.isfinite(torch.tensor(list(train.values()))))
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_00000012"
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == [
+        f"step_{step:08d}" for step in range(first_real + 1, 13)]

@@ -150,10 +150,11 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, tiny_dataset, unin
 
 def test_non_finite_losses_stop_and_keep_last_good(tmp_path, tiny_dataset):
     """The first applied step with a non-finite loss stops the run (max_nonfinite_steps
-    counts only steps fp16's loss scaler skipped)."""
+    counts only steps whose update was skipped)."""
     sets = overrides(tmp_path, *tiny_dataset, **{"train.save_interval": 1,
                                                   "train.max_nonfinite_steps": 2})
-    with pytest.raises(AssertionError, match="step 3: the loss is nan; stopping.*"
+    with pytest.raises(AssertionError, match="step 3: the loss is nan and the update was "
+                                             "applied; the last good step is 2; stopping.*"
                                              "latest still names step_00000002"):
         run_distributed(_train, 1, sets, None, None, 3)
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_00000002"

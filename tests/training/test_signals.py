@@ -2,6 +2,7 @@
 at once, repeated signals during the save keep the exit clean, a signal during start-up exits
 with nothing to save. Each run is a real process, since a signal handler is process-wide."""
 
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -101,3 +102,51 @@ def test_signal_during_start_up_exits_0_with_nothing_to_save(tmp_path, tiny_data
     assert run.returncode == 0, run.stderr
     assert "SIGUSR1 during start-up: nothing new to save" in run.stdout
     assert not (tmp_path / "ckpt" / "latest").exists()
+
+
+# The stop flag alone (no torch): `sent` in turn to this process; `settle` is the run's last
+# save done; `teardown` makes an object that sends SIGTERM while the interpreter is torn down
+# (a module global's __del__), after Python has put back the default action of every signal
+# with a Python handler: where a signal repeated every 100 ms lands as a rank exits.
+FLAG_DRIVER = """
+import os, signal, sys
+from megatron_rembert.training import signals
+
+signals.SAME_PRESS_S = -1.0  # any Ctrl-C after the first is a second press
+flag = signals.StopFlag()
+
+
+class SignalAtTeardown:
+    def __del__(self, kill=os.kill, pid=os.getpid(), sig=signal.SIGTERM):
+        kill(pid, sig)
+
+
+for name in sys.argv[1:]:
+    if name == "settle":
+        flag.settle()
+    elif name == "teardown":
+        at_teardown = SignalAtTeardown()
+    else:
+        os.kill(os.getpid(), getattr(signal, name))
+print(flag.name, flag.raised, flush=True)
+"""
+
+FLAG_CASES = [
+    # The first request was SIGTERM: Ctrl-Cs after it change nothing (save, exit 0).
+    ("sigterm-then-ctrl-c", ["SIGTERM", "SIGINT", "SIGINT", "SIGUSR1"], 0, "SIGTERM True"),
+    ("second-ctrl-c", ["SIGINT", "SIGINT"], 130, ""),
+    # Python's own teardown: without settle() a signal then kills the process (143 in a shell).
+    ("teardown-unsettled", ["SIGTERM", "teardown"], -signal.SIGTERM, "SIGTERM True"),
+    # Once settled nothing changes, a second Ctrl-C and the teardown's signal included.
+    ("settled", ["SIGINT", "settle", "SIGINT", "SIGTERM", "SIGUSR1", "teardown"], 0,
+     "SIGINT True"),
+]
+
+
+@pytest.mark.parametrize("case", FLAG_CASES, ids=[c[0] for c in FLAG_CASES])
+def test_the_job_exits_as_the_first_signal_asked(case):
+    _, sent, code, said = case
+    run = subprocess.run([sys.executable, "-c", FLAG_DRIVER, *sent], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == code, run.stdout + run.stderr
+    assert run.stdout.strip() == said, run.stdout + run.stderr

@@ -18,6 +18,7 @@ torchrun's SIGKILL 30 s later; the bound below is on that hang, not a performanc
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -47,10 +48,10 @@ RANK_SH = ("trap : TERM INT USR1; \"$@\" 2> \"$RANK_LOGS/stderr.$RANK\"; rc=$?; 
            "echo $rc > \"$RANK_LOGS/exit.$RANK\"; exit $rc")
 
 
-def _settings(run: Path, tiny_dataset) -> list[str]:
+def _settings(run: Path, tiny_dataset, steps: int = STEPS) -> list[str]:
     data, tokenizer = tiny_dataset
     values = {"data.path": data, "data.tokenizer": tokenizer, "data.seq_length": SEQ,
-              "data.num_workers": 1, "train.steps": STEPS, "train.global_batch_size": 4,
+              "data.num_workers": 1, "train.steps": steps, "train.global_batch_size": 4,
               "train.micro_batch_size": 2, "train.log_interval": 1, "train.eval_interval": 0,
               "train.save_interval": 0, "train.precision": "fp32", "parallel.zero_stage": 0,
               "parallel.timeout_minutes": 2,  # a rank left alone fails soon, not in 10 min
@@ -64,14 +65,14 @@ def _settings(run: Path, tiny_dataset) -> list[str]:
 class Torchrun:
     """One torchrun run of train.py in a session of its own; stdout read line by line."""
 
-    def __init__(self, run: Path, tiny_dataset, script: str = "train.py"):
+    def __init__(self, run: Path, tiny_dataset, script: str = "train.py", steps: int = STEPS):
         self.logs = run / "rank_logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         for old in self.logs.iterdir():
             old.unlink()
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    "--nproc_per_node", "2", "--no-python", "sh", "-c", RANK_SH, "rank",
-                   sys.executable, script, *_settings(run, tiny_dataset)]
+                   sys.executable, script, *_settings(run, tiny_dataset, steps)]
         self.process = subprocess.Popen(
             command, cwd=ROOT, env={**os.environ, "RANK_LOGS": str(self.logs)},
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -106,12 +107,31 @@ class Torchrun:
         assert len(ranks) == 2, children
         return ranks
 
+    def groups(self, target: str) -> list[int]:
+        """The process groups a signal to `target` goes to."""
+        return {"torchrun": [self.process.pid], "ranks": self.ranks(),
+                "every process": [self.process.pid, *self.ranks()]}[target]
+
     def send(self, target: str, sig: signal.Signals) -> float:
-        groups = {"torchrun": [self.process.pid], "ranks": self.ranks(),
-                  "every process": [self.process.pid, *self.ranks()]}[target]
-        for group in groups:
+        for group in self.groups(target):
             os.killpg(group, sig)
         return time.monotonic()
+
+    def keep_sending(self, target: str, signals: list[signal.Signals], every_s: float,
+                     timeout_s: float = 120.0) -> int:
+        """Sends `signals` in turn to `target` every `every_s` seconds until torchrun and
+        every rank have exited (a rank may outlive a signalled torchrun); returns how many
+        were sent. Process groups that are gone are skipped."""
+        groups = self.groups(target)
+        sent, end = 0, time.monotonic() + timeout_s
+        while (self.process.poll() is None or len(self.rank_exits()) < 2) and \
+                time.monotonic() < end:
+            time.sleep(every_s)
+            for group in groups:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(group, signals[sent % len(signals)])
+            sent += 1
+        return sent
 
     def wait(self) -> float:
         self.process.wait(timeout=600)
@@ -250,3 +270,51 @@ def test_a_signal_during_start_up_exits_0_with_nothing_saved(tmp_path, tiny_data
     assert f"{told} during start-up: nothing new to save" in torchrun.output, what
     assert "Traceback" not in torchrun.output + torchrun.rank_errors(), what
     assert torchrun.step == 0 and not (tmp_path / "ckpt" / "latest").exists(), what
+
+
+@pytest.fixture(scope="module")
+def losses_of_8_steps(tmp_path_factory, tiny_dataset) -> dict[int, float]:
+    run = tmp_path_factory.mktemp("reference")
+    reference = Torchrun(run, tiny_dataset, steps=8)
+    reference.wait()
+    assert reference.process.returncode == 0, reference.output
+    return _losses(run)
+
+
+@pytest.mark.parametrize("target", ["ranks", "every process"])
+def test_signals_repeated_until_the_exit_change_nothing_after_the_first(
+        target, tmp_path, tiny_dataset, losses_of_8_steps):
+    """A scheduler or an impatient user repeating stop signals every 100 ms from the first
+    SIGTERM until the job is gone: the job still exits as the first signal asked (save, exit 0
+    on every rank), `latest` names the saved step and the resumed run equals an uninterrupted
+    one. torchrun reports its ranks' exit codes when only they were signalled; signalled
+    itself, it exits 1 (torch's SignalException on SIGTERM or SIGINT) or is ended by a
+    SIGUSR1, which it does not handle (torchrun's --signals-to-handle leaves it out by
+    default), whatever its ranks did."""
+    steps = 8
+    run = tmp_path / "stopped"
+    torchrun = Torchrun(run, tiny_dataset, steps=steps)
+    torchrun.wait_for_step(2)
+    torchrun.send(target, signal.SIGTERM)
+    repeated = torchrun.keep_sending(target, [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT],
+                                     every_s=0.1)
+    torchrun.wait()
+    what = f"{repeated} signals after the first:\n{torchrun.output}\n{torchrun.rank_errors()}"
+    print(what)
+    assert torchrun.rank_exits() == {0: 0, 1: 0}, what
+    assert repeated >= 2, what  # the signals did go on during the save and the exit
+    if target == "ranks":
+        assert torchrun.process.returncode == 0, what
+    else:  # torch's own: it raises on SIGTERM / SIGINT and does not handle SIGUSR1
+        assert torchrun.process.returncode in (1, -signal.SIGUSR1), what
+    assert "Traceback" not in torchrun.rank_errors() and "second Ctrl-C" not in what, what
+    saved = _latest_step(run)
+    assert 2 <= saved < steps, what
+    assert f"signal received (SIGTERM): saved step {saved}" in torchrun.output, what
+    final = Torchrun(run, tiny_dataset, steps=steps)
+    final.wait()
+    assert final.process.returncode == 0, final.output
+    resumed = _losses(run)
+    assert sorted(resumed) == sorted(losses_of_8_steps) == list(range(1, steps + 1))
+    for step, loss in losses_of_8_steps.items():
+        assert resumed[step] == pytest.approx(loss, rel=1e-6), f"step {step}"
