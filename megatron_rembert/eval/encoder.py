@@ -144,7 +144,8 @@ def open_checkpoint(path: str, tokenizer: str | None) -> ModelSource:
 
 
 def _checkpoint_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """The encoder's full fp32 tensors by RemBertModel name, vocabulary padded for tp = 1."""
+    """The encoder's full fp32 tensors by RemBertModel name, vocabulary padded for tp = 1:
+    the fp32 master weights where the checkpoint keeps them (bf16/fp16 with ZeRO), as to-hf."""
     from megatron_rembert.checkpoint.step_folder import StepFolder
 
     out = {}
@@ -152,7 +153,7 @@ def _checkpoint_weights(folder: Path) -> dict[str, torch.Tensor]:
         check_checkpoint(reader)
         for spec in param_specs(reader.model, 1):
             if spec.name.startswith(ENCODER_PREFIX):
-                full = reader.full_weight(spec).float()
+                full = reader.master_weight(spec).float()  # fp32 masters where saved
                 out[spec.name.removeprefix(ENCODER_PREFIX)] = shard(full, spec, 1, 0)
     return out
 
