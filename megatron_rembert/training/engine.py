@@ -34,7 +34,6 @@ from megatron_rembert.model.pipeline import (
 from megatron_rembert.model.rembert import RemBertForPreTraining
 from megatron_rembert.model.transformer import TransformerLayer
 from megatron_rembert.parallel import comm, state
-from megatron_rembert.parallel.fp8 import enable_fp8
 from megatron_rembert.parallel.layers import init_weights, is_tp_sharded
 from megatron_rembert.parallel.random import checkpoint_safe
 from megatron_rembert.run_config import Config
@@ -44,6 +43,7 @@ from megatron_rembert.training.lamb import Lamb
 from megatron_rembert.training.main_grads import MainGradients
 from megatron_rembert.training.optim import build_optimizer, build_scheduler, deepspeed_config
 from megatron_rembert.training.plan import RunPlan
+from megatron_rembert.training.startup import STARTUP
 
 
 @dataclass
@@ -125,8 +125,12 @@ class Trainer:
             model.init_weights(config.train.seed)
             model.rembert.activation_checkpointing = config.parallel.activation_checkpointing
         if config.train.fp8:  # the Transformer layers' linears multiply in fp8
+            # imported here: its torch.compiler.disable imports torch._dynamo (seconds)
+            from megatron_rembert.parallel.fp8 import enable_fp8
+
             enable_fp8(m for m in model.modules() if isinstance(m, TransformerLayer))
         model.to(device)
+        STARTUP.mark("model")
         optimizer = build_optimizer(model, config)
         scheduler = build_scheduler(optimizer, plan.lr)
         self.ds_config = deepspeed_config(config, plan.layout)
