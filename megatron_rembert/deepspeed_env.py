@@ -15,6 +15,7 @@ import io
 import os
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 # What `deepspeed.init_distributed` prints on a CPU once its shared-memory op is loaded
 # ("DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully"), every start,
@@ -31,6 +32,22 @@ def choose_accelerator() -> None:
 
     if not (torch.cuda.device_count() > 0 and torch.cuda.is_available()):
         os.environ["DS_ACCELERATOR"] = "cpu"
+
+
+def shm_op_build_note() -> str | None:
+    """A line announcing DeepSpeed's one-time build of its shared-memory op for CPU
+    communication, which `deepspeed.init_distributed` compiles on a machine's first CPU run
+    (about 90 s on 2 cores; then loaded from torch's extension cache), or None when the cache
+    has it."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    # torch builds extensions under TORCH_EXTENSIONS_DIR when set (cpp_extension.load's
+    # documented rule), else under its default root
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    if any(root.glob("*/deepspeed_shm_comm/deepspeed_shm_comm*.so")):
+        return None
+    return ("start-up: DeepSpeed builds its shared-memory op for CPU communication (once per "
+            f"machine, about 90 s on 2 cores; cached in {root})")
 
 
 @contextlib.contextmanager

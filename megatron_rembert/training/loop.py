@@ -22,7 +22,7 @@ from megatron_rembert.checkpoint.step_folder import (
 from megatron_rembert.config import ConfigError, check_choice
 from megatron_rembert.data.loader import build_pretraining_loader, build_validation_set
 from megatron_rembert.data.shards import ShardDataset
-from megatron_rembert.deepspeed_env import routine_lines_dropped
+from megatron_rembert.deepspeed_env import routine_lines_dropped, shm_op_build_note
 from megatron_rembert.errors import RunError
 from megatron_rembert.fs import sha256_file
 from megatron_rembert.launch_env import launch_env
@@ -92,6 +92,8 @@ def setup_distributed(timeout_minutes: float = 10.0, backend: str = "auto"
         bind = cuda and backend == "nccl" and world > 1
         dist.init_process_group(backend, timeout=timeout, rank=int(os.environ["RANK"]),
                                 world_size=world, device_id=device if bind else None)
+    if device.type == "cpu" and dist.get_rank() == 0 and (note := shm_op_build_note()):
+        print(note, flush=True)
     with routine_lines_dropped():  # DeepSpeed's "built successfully" line, every start
         deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
     comm.set_device(device)

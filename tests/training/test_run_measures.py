@@ -68,3 +68,15 @@ def test_accelerator_named_as_deepspeed_would_choose(monkeypatch):
     monkeypatch.setenv("DS_ACCELERATOR", "cuda")
     choose_accelerator()
     assert os.environ["DS_ACCELERATOR"] == "cuda"  # the user's choice is kept
+
+
+def test_shm_op_build_announced_only_when_not_cached(tmp_path, monkeypatch):
+    from megatron_rembert.deepspeed_env import shm_op_build_note
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # torch's documented override
+    note = shm_op_build_note()
+    assert note is not None and "once per machine" in note and str(tmp_path) in note
+    built = tmp_path / "py311_cpu" / "deepspeed_shm_comm"
+    built.mkdir(parents=True)
+    (built / "deepspeed_shm_comm.so").write_bytes(b"")
+    assert shm_op_build_note() is None
