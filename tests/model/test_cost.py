@@ -106,3 +106,29 @@ def test_stage_split_flops_are_the_model_flops_without_recomputation():
     config = measurable(get_preset("tiny"))
     per_layer = pipeline_layer_flops(config, 32, 6, recompute=False)
     assert sum(per_layer) == pytest.approx(model_flops(config, 32, 1, 6)["training"])
+
+
+def test_dry_run_counts_flops_at_the_schedules_mask_rate():
+    """`--dry-run`'s FLOPs per step follow the mask-rate schedule (0.3 for the first half,
+    0.1 after), against a hand count: 3 x the forward matmuls, the head at the masked tokens
+    of a full row (round((S - 2) x rate), [CLS] and [SEP] never masked)."""
+    from megatron_rembert.run_config import load_config
+    from megatron_rembert.training.dry_run import dry_run_report
+    from megatron_rembert.training.plan import RunPlan
+
+    config = load_config("configs/tiny.yaml", [
+        "data.phase_starts=[0.0, 0.5]", "data.phase_mask_prob=[0.3, 0.1]", "train.steps=100"])
+    m, s, rows = config.model, config.data.seq_length, config.train.global_batch_size
+    h, f, e_in, e_out, v = (m.hidden_size, m.intermediate_size, m.input_embedding_size,
+                            m.output_embedding_size, m.vocab_size)
+    body = 2 * s * e_in * h + m.num_hidden_layers * (2 * s * (4 * h * h + 2 * h * f)
+                                                      + 4 * s * s * h)
+    head = 2 * (h * e_out + e_out * v)
+
+    def per_step(rate: float) -> float:
+        return 3 * rows * (body + round((s - 2) * rate) * head)
+
+    report = dry_run_report(config, RunPlan.build(config, 1))
+    assert f"{per_step(0.3):.3e} at step 0" in report
+    assert f"{per_step(0.1):.3e} at the last step" in report
+    assert f"FLOPs of the run: {50 * per_step(0.3) + 50 * per_step(0.1):.3e}" in report
