@@ -102,6 +102,10 @@ class TrainConfig:
     # at most this many global batches of validation per language (see eval.*)
     eval_batches: int = 10
     save_interval: int = 1000  # 0 = only at the end and on a signal
+    # Save and exit 0 at the first step boundary this many minutes after the process started
+    # (0 = off), as a stop signal does; `latest` names that step and the run resumes from it.
+    # Set it below the job's wall-time limit by a step and a save; the schedules stay by steps
+    max_minutes: float = 0.0
     keep_last: int = 3
     save_dir: str = "runs/checkpoints"
     # Roll back: resume from this step_* folder of save_dir; newer ones are moved aside.
@@ -192,6 +196,7 @@ RANGES: dict[str, Range] = {
     "train.eval_interval": AT_LEAST_0,
     "train.eval_batches": AT_LEAST_1,
     "train.save_interval": AT_LEAST_0,
+    "train.max_minutes": AT_LEAST_0,
     "train.keep_last": AT_LEAST_1,
     "train.max_nonfinite_steps": AT_LEAST_1,
     "train.divergence_factor": AT_LEAST_0,  # 0 (off) or above 1

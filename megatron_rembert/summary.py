@@ -1,4 +1,5 @@
-"""Model sizes and FLOPs: `python -m megatron_rembert.summary --preset rembert`.
+"""Model sizes and FLOPs (the cost model, model/cost.py): `python -m megatron_rembert.summary
+--preset rembert`.
 
 Builds the model on the meta device, so even the 995M model allocates nothing.
 """
@@ -11,7 +12,8 @@ import sys
 from megatron_rembert.cli import prog, run_cli
 from megatron_rembert.config import PRESETS, get_preset
 from megatron_rembert.data.config import DataConfig
-from megatron_rembert.model.sizes import flops_per_token, parameter_counts
+from megatron_rembert.model.cost import flops_per_token
+from megatron_rembert.model.sizes import parameter_counts
 
 
 def format_summary(name: str, seq_length: int, mask_rate: float) -> str:

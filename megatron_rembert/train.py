@@ -100,6 +100,9 @@ def _main(argv: list[str] | None, stop: StopFlag) -> int:
     # Sizes that cannot fit are refused here, before torch.distributed and the model.
     check_memory(config, plan.stages, launch.local_rank, local_world)
     stop.in_use = True
+    from megatron_rembert.deepspeed_env import choose_accelerator
+
+    choose_accelerator()  # before DeepSpeed's import: no "Setting accelerator to CPU" warning
     from megatron_rembert.training.loop import train
 
     summary = train(config, stop, plan)

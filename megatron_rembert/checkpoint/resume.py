@@ -17,7 +17,7 @@ from megatron_rembert.checkpoint import CheckpointError
 from megatron_rembert.checkpoint.portable import is_portable
 from megatron_rembert.checkpoint.step_folder import StepFolder
 from megatron_rembert.config import EXECUTION_FIELDS
-from megatron_rembert.model.pipeline import pipeline_layer_costs
+from megatron_rembert.model.cost import layer_parameters
 from megatron_rembert.parallel.layout import Layout
 from megatron_rembert.run_config import Config
 
@@ -70,7 +70,7 @@ def parameter_balanced_boundaries(config: Config, pp: int) -> list[int]:
     counts), for reading checkpoints that did not record their boundaries."""
     from deepspeed.runtime.utils import partition_balanced
 
-    return list(partition_balanced(weights=pipeline_layer_costs(config.model), num_parts=pp))
+    return list(partition_balanced(weights=layer_parameters(config.model), num_parts=pp))
 
 
 def other_stage_split(meta: dict, config: Config, layout: Layout,

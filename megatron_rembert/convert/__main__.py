@@ -84,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
+    from megatron_rembert.deepspeed_env import choose_accelerator
+
+    choose_accelerator()  # before DeepSpeed's import (checkpoint files): no accelerator warning
     from megatron_rembert.convert import average, hf_io, reshard
 
     if args.command in ("to-hf", "export-encoder"):

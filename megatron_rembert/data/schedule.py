@@ -111,6 +111,12 @@ class DataPlan:
         width = data.max_predictions or default_max_predictions(data.seq_length, rate)
         return cls(schedule, eval_mask_prob, rate, width)
 
+    def masked_per_row(self, seq_length: int, step: int) -> int:
+        """Real masked tokens of a full training row at `step`'s mask rate (what the cost
+        model counts for the MLM head when it plans; the trainer logs the real count)."""
+        return min(self.max_predictions,
+                   masked_count(seq_length - 2, self.schedule.mask_prob(step)))
+
     def training_masked_per_row(self, seq_length: int) -> int:
         """Real masked tokens of a full training row at the schedule's largest rate (what the
         fused loss's output projection runs on; the other slots of P carry weight 0)."""

@@ -23,8 +23,8 @@ class RemBertEmbeddings(nn.Module):
         self.word_embeddings = VocabParallelEmbedding(
             config.padded_vocab_size(state.tp_size()), e_in, config.vocab_size,
             padding_idx=config.pad_token_id)
-        self.position_embeddings = nn.Embedding(config.max_position_embeddings, e_in)
-        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, e_in)
+        self.position_embeddings = _embedding(config.max_position_embeddings, e_in)
+        self.token_type_embeddings = _embedding(config.type_vocab_size, e_in)
         self.layer_norm = nn.LayerNorm(e_in, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
         self.projection = nn.Linear(e_in, config.hidden_size)
@@ -44,3 +44,12 @@ class RemBertEmbeddings(nn.Module):
              + self.token_type_embeddings(token_type_ids))  # B x S x E_in
         x = self.dropout(self.layer_norm(x))
         return self.projection(x)  # B x S x H
+
+
+def _embedding(rows: int, dim: int) -> nn.Embedding:
+    """nn.Embedding(rows, dim); built on the meta device (sizes, the memory estimate) without
+    torch's random initialisation, which on meta tensors imports torch._dynamo (seconds of
+    every start-up). The values do not matter there; init_weights sets every weight anyway."""
+    if torch.get_default_device().type == "meta":
+        return nn.Embedding.from_pretrained(torch.empty(rows, dim), freeze=False)
+    return nn.Embedding(rows, dim)

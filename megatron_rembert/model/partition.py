@@ -6,39 +6,15 @@ many parameters as ~26 Transformer layers but runs only on the masked slots of a
 about 5 layers' worth of compute with the loss's recomputation in backward.
 
 Everything here is a pure function of per-layer numbers: `training.estimate` turns a config
-into those numbers, and the run plan (training/plan.py) keeps the boundaries it returns for
-the trainer, the checkpoint metadata and `--dry-run`.
+into those numbers (FLOPs and parameters from the cost model, model/cost.py), and the run plan
+(training/plan.py) keeps the boundaries it returns for the trainer, the checkpoint metadata
+and `--dry-run`.
 """
 
 from __future__ import annotations
 
-from megatron_rembert.config import ModelConfig
-
-
-def pipeline_layer_flops(config: ModelConfig, seq_length: int, predictions: int,
-                         recompute: bool, *, masked: int | None = None) -> list[float]:
-    """Training matmul FLOPs per sequence of every pipeline layer (embedding, N Transformer
-    layers, MLM head), 2 per multiply-add.
-
-    Training is forward + backward (2x forward), plus one more forward of each Transformer
-    layer with activation checkpointing (`recompute`). The head's dense (H -> E_out) runs on
-    the `predictions` slots of a sequence (P, padded slots included: its GEMM is B*P rows).
-    The output projection (E_out -> V, most of the head) runs on as many rows with
-    model.loss_backend=reference, which computes the logits of every slot; the fused loss
-    (kernels/cross_entropy.py) skips the slots of weight 0, so it runs on the `masked` real
-    tokens of a sequence (default: all P), and recomputes their logits tile by tile in
-    backward: one more forward of the projection.
-    """
-    h, f, s = config.hidden_size, config.intermediate_size, seq_length
-    e_in, e_out, v = config.input_embedding_size, config.output_embedding_size, config.vocab_size
-    embedding = 3 * 2 * s * e_in * h  # the E_in -> H projection; lookups are not matmuls
-    layer_forward = s * (2 * (4 * h * h + 2 * h * f) + 2 * 2 * s * h)  # QKVO, FFN, QK^T and PV
-    layer = (4 if recompute else 3) * layer_forward
-    fused = config.loss_backend == "fused"
-    rows = predictions if masked is None or not fused else masked
-    projection = 2 * rows * e_out * v  # forward of the output projection
-    head = 3 * (2 * predictions * h * e_out + projection) + (projection if fused else 0)
-    return [float(embedding)] + [float(layer)] * config.num_hidden_layers + [float(head)]
+# The per-layer FLOPs the split balances come from the cost model; importable here as before.
+from megatron_rembert.model.cost import pipeline_layer_flops  # noqa: F401
 
 
 def balance_stages(flops: list[float], static_bytes: list[float], activation_bytes: list[float],

@@ -132,15 +132,3 @@ def pipeline_layer_builders(config: ModelConfig) -> list[tuple[type, tuple]]:
     return ([(EmbeddingPipe, (config,))]
             + [(TransformerLayerPipe, (config, i)) for i in range(config.num_hidden_layers)]
             + [(MLMHeadPipe, (config,))])
-
-
-def pipeline_layer_costs(config: ModelConfig) -> list[int]:
-    """Parameters per pipeline layer (what a stage must hold, with optimizer states): the
-    418M-parameter RemBERT head counts for ~26 Transformer layers."""
-    h, f = config.hidden_size, config.intermediate_size
-    e_in, e_out, v = config.input_embedding_size, config.output_embedding_size, config.vocab_size
-    embedding = ((v + config.max_position_embeddings + config.type_vocab_size) * e_in + 2 * e_in
-                 + e_in * h + h)
-    layer = 4 * h * h + 2 * h * f + 9 * h + f
-    head = h * e_out + 3 * e_out + v * (0 if config.tie_embeddings else e_out) + v
-    return [embedding] + [layer] * config.num_hidden_layers + [head]

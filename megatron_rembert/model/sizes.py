@@ -1,4 +1,5 @@
-"""Exact parameter counts (built on the meta device) and model FLOPs per token."""
+"""Exact parameter counts of the model and its parts, by the conventions of the paper
+(built on the meta device); per pipeline layer and FLOPs: model/cost.py."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import torch
 from torch import nn
 
 from megatron_rembert.config import ModelConfig
-from megatron_rembert.data.config import DataConfig
+from megatron_rembert.model.cost import flops_per_token, parameter_table
+
+__all__ = ["ParameterCounts", "count_parameters", "flops_per_token", "parameter_counts"]
 
 
 def count_parameters(what: nn.Module | nn.Parameter) -> int:
@@ -37,38 +40,20 @@ class ParameterCounts:
 
 
 def parameter_counts(config: ModelConfig) -> ParameterCounts:
-    from megatron_rembert.model.rembert import RemBertForPreTraining, RemBertModel
+    """The counts of `config`; pre-training and the embeddings from the cost model's parameter
+    table (model/cost.py), the pooler from the encoder built with it."""
+    from megatron_rembert.model.rembert import RemBertModel
 
     with torch.device("meta"):
-        pretraining = RemBertForPreTraining(config)
         encoder = RemBertModel(config, add_pooler=True)
+    table = {p.name: p.full for p in parameter_table(config)}
     pooler = count_parameters(encoder.pooler)
-    decoder = pretraining.mlm_head.decoder
-    output = count_parameters(decoder.bias)
-    if not config.tie_embeddings:
-        output += count_parameters(decoder.weight)
-    pt = count_parameters(pretraining)
+    pt = sum(table.values())
     ft_pooler = count_parameters(encoder)
     return ParameterCounts(
         pretraining=pt, pretraining_with_pooler=pt + pooler, finetuning=ft_pooler - pooler,
         finetuning_with_pooler=ft_pooler,
         input_embedding=count_parameters(encoder.embeddings.word_embeddings),
-        output_embedding=output)
-
-
-def flops_per_token(config: ModelConfig, seq_length: int,
-                    mask_rate: float = DataConfig.mask_prob) -> dict:
-    """Matmul FLOPs per input token (2 per multiply-add), forward and training (3x forward).
-
-    Bidirectional attention: every query attends to all seq_length keys (no causal halving).
-    The MLM head (dense, output projection) runs only at masked positions: counted x mask_rate.
-    Embedding lookups, norms and softmax are not matmuls and are left out, as in the usual MFU
-    accounting (Chowdhery et al., 2022, PaLM, Appendix B).
-    """
-    h, f, s = config.hidden_size, config.intermediate_size, seq_length
-    e_in, e_out, v = config.input_embedding_size, config.output_embedding_size, config.vocab_size
-    per_layer = 2 * (4 * h * h + 2 * h * f) + 2 * 2 * s * h  # QKVO + FFN + (QK^T, PV)
-    body = 2 * e_in * h + config.num_hidden_layers * per_layer
-    head = mask_rate * 2 * (h * e_out + e_out * v)
-    forward = body + head
-    return {"forward": forward, "training": 3 * forward, "head_share": head / forward}
+        # 0 for the weight when tied: the decoder's weight is then the input table
+        output_embedding=table["mlm_head.decoder.bias"]
+        + table.get("mlm_head.decoder.weight", 0))

@@ -92,9 +92,9 @@ class TransformerLayer(nn.Module):
         # all-reduces and the RNG stream switch are opaque operators inside it); parameters,
         # names and checkpoints are the eager layer's. fallback_random: inductor draws dropout
         # masks with torch's generator and ops, in program order, so they equal eager's.
+        # Wrapped at the first forward on a device that compiles: torch.compile imports dynamo
+        # and inductor (seconds), which an eager run (CPU under auto) never needs.
         self._compiled = None
-        if config.compile is not False:
-            self._compiled = torch.compile(self._layer, options={"fallback_random": True})
         self._compiles_on = config.compiles_on
 
     def _layer(self, x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
@@ -103,8 +103,10 @@ class TransformerLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
         """x: B x S x H; key_mask: B x S bool or None (see SelfAttention) -> B x S x H."""
-        if self._compiled is None or not self._compiles_on(x.device.type):
+        if not self._compiles_on(x.device.type):
             return self._layer(x, key_mask)
+        if self._compiled is None:
+            self._compiled = torch.compile(self._layer, options={"fallback_random": True})
         if self.training and self.attention.dropout_p > 0:
             ensure_tp_stream(x.device)  # the graph switches to the TP stream, cannot seed it
         return self._compiled(x, key_mask)

@@ -158,7 +158,8 @@ def _train_tokenizer(argv: list[str] | None) -> int:
     p.add_argument("--character-coverage", type=float, default=0.9995)
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--max-sentences", type=int, default=10_000_000,
-                   help="cap on the number of sampled text chunks fed to SentencePiece")
+                   help="cap on the text passages (paragraphs, cut at 1,000 characters) "
+                   "sampled for SentencePiece")
     p.add_argument("--languages", nargs="*", help="subset of language folders")
     p.add_argument("--max-line-bytes", type=int, default=DEFAULT_MAX_LINE_BYTES)
     p.add_argument("--seed", type=int, default=0)
@@ -183,9 +184,9 @@ def _train_tokenizer(argv: list[str] | None) -> int:
               f"(sha256 {info['sha256']})")
         return 0
     print(f"wrote {a.out}.model ({info['vocab_size']:,} pieces, sha256 {info['sha256']})")
+    print(f"{'language':10s} {'passages':>10}  {'in sample':>10}  share")
     for lang, v in info["languages"].items():
-        print(f"{lang:10s} chunks {v['chunks']:>10,}  sampled {v['sampled']:>10,}  "
-              f"p {v['prob']:.3f}")
+        print(f"{lang:10s} {v['chunks']:>10,}  {v['sampled']:>10,}  {v['prob']:.3f}")
     return 0
 
 

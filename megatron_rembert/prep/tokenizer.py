@@ -37,6 +37,23 @@ def _count_chunks(files, stats, max_line_bytes) -> int:
                for cf in files for _, t in iter_documents(cf, stats, 0, max_line_bytes))
 
 
+def sample_sizes(counts: dict[str, int], probs: dict[str, float], total: int) -> dict[str, int]:
+    """Chunks each language gets in the sample: `total` split by `probs` (largest remainders,
+    so the sizes add up to `total` exactly), at least one for a language with text (taken from
+    the largest share)."""
+    langs = [lang for lang in sorted(counts) if counts[lang]]
+    exact = {lang: probs[lang] * total for lang in langs}
+    sizes = {lang: int(exact[lang]) for lang in langs}
+    by_remainder = sorted(langs, key=lambda lang: (sizes[lang] - exact[lang], lang))
+    for lang in by_remainder[:total - sum(sizes.values())]:
+        sizes[lang] += 1
+    for lang in langs:
+        if sizes[lang] == 0:
+            sizes[max(sizes, key=sizes.get)] -= 1
+            sizes[lang] = 1
+    return sizes
+
+
 def _write_sample(files, mult: np.ndarray, out, digest, max_line_bytes: int) -> None:
     """Write chunk j `mult[j]` times (0 = not sampled, >1 = small language upsampled), and
     feed the written bytes to `digest`."""
@@ -124,8 +141,8 @@ def train_tokenizer(
     if sum(counts.values()) == 0:
         raise DataError(f"no text in {corpus_dir}: every line was blank or skipped; "
                         f"{stats.report()}")
-    say(f"counted {sum(counts.values()):,} text chunks in {len(counts)} languages "
-        f"({time.perf_counter() - t0:.1f} s)")
+    say(f"read {sum(counts.values()):,} text passages in {len(counts)} languages (a passage: "
+        f"a paragraph, cut at {TRAIN_CHUNK_CHARS:,} characters) ({time.perf_counter() - t0:.1f} s)")
     langs = sorted(counts)
     probs = dict(zip(langs, language_weights([counts[x] for x in langs], alpha).tolist(),
                      strict=True))
@@ -137,22 +154,22 @@ def train_tokenizer(
     threads = num_threads or os.cpu_count() or 1
     trainer = {"vocab_size": vocab_size, "character_coverage": character_coverage,
                "num_threads": threads, "hard_vocab_limit": hard_vocab_limit}
-    sampled = {}
+    sampled = sample_sizes(counts, probs, total)
     with tempfile.TemporaryDirectory(dir=output_prefix.parent) as tmp:
         sample_path, digest = Path(tmp) / "sample.txt", hashlib.sha256()
         with open(sample_path, "wb") as out:
             for lang, files in files_by_lang.items():
-                n = counts[lang]
+                n, k = counts[lang], sampled.get(lang, 0)
                 if n == 0:
                     continue
-                k = max(1, round(probs[lang] * total))
-                mult = np.full(n, k // n, dtype=np.int64)
+                mult = np.full(n, k // n, dtype=np.int64)  # k > n: a small language repeated
                 mult[rng.choice(n, k % n, replace=False)] += 1
-                sampled[lang] = k
                 _write_sample(files, mult, out, digest, max_line_bytes)
         sample_sha256 = digest.hexdigest()
-        say(f"sampled {sum(sampled.values()):,} chunks ({sample_path.stat().st_size / 1e6:.1f} MB)"
-            f" ({time.perf_counter() - t0:.1f} s)")
+        say(f"sample for SentencePiece: {sum(sampled.values()):,} passages "
+            f"({sample_path.stat().st_size / 1e6:.1f} MB), each language's share by the "
+            f"weight n^{alpha:g} of its n passages: small languages repeated, large ones thinned "
+            f"({time.perf_counter() - t0:.1f} s)")
         if existing == "reuse" and model_path.exists():
             if info := _existing_info(output_prefix, sample_sha256, trainer):
                 return {**info, "reused": True}
@@ -160,7 +177,7 @@ def train_tokenizer(
                             "other settings (or by an older version, which did not record them); "
                             "pass another --out, or --overwrite to replace it (datasets made "
                             "with it would then refuse the new one).")
-        say(f"training SentencePiece: {vocab_size:,} pieces, {threads} threads "
+        say(f"training SentencePiece: a vocabulary of {vocab_size:,} pieces, {threads} threads "
             f"(the long stage; --verbose shows its log)")
         try:
             spm.SentencePieceTrainer.train(

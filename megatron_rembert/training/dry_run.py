@@ -4,7 +4,8 @@ the pipeline stages and the schedules), allocating nothing."""
 from __future__ import annotations
 
 from megatron_rembert.cli import format_table
-from megatron_rembert.model.sizes import flops_per_token, parameter_counts
+from megatron_rembert.model.cost import model_flops
+from megatron_rembert.model.sizes import parameter_counts
 from megatron_rembert.run_config import Config
 from megatron_rembert.training.estimate import MEMORY_KEYS, memory_estimate
 from megatron_rembert.training.plan import RunPlan
@@ -14,7 +15,6 @@ def dry_run_report(config: Config, plan: RunPlan) -> str:
     """The `--dry-run` text of `config` run as `plan` (`RunPlan.build`)."""
     par, layout = config.parallel, plan.layout
     counts = parameter_counts(config.model)
-    flops = flops_per_token(config.model, config.data.seq_length, config.data.mask_prob)
     tokens = layout.global_batch_size * config.data.seq_length
     mem = memory_estimate(plan.stages)
     gib = 2**30
@@ -26,8 +26,7 @@ def dry_run_report(config: Config, plan: RunPlan) -> str:
         f"ZeRO stage {par.zero_stage}; {config.train.precision}",
         f"batch: global {layout.global_batch_size} = micro {layout.micro_batch_size}"
         f" x accumulation {layout.gas} x dp {layout.dp}; {tokens:,} tokens per step",
-        f"FLOPs per step: {flops['training'] * tokens:.3e} "
-        f"({flops['training']:,.0f} per token, MLM head {flops['head_share']:.1%} of forward)",
+        *flops_lines(config, plan),
         f"memory per rank (estimate, most loaded stage, {mem['params_per_rank']:,.0f} "
         "parameters):",
     ]
@@ -39,6 +38,34 @@ def dry_run_report(config: Config, plan: RunPlan) -> str:
         lines += stage_table(config, plan)
     lines.append(phase_table(plan))
     return "\n".join(lines)
+
+
+def step_flops(config: Config, plan: RunPlan, step: int) -> dict[str, float]:
+    """Model FLOPs (model/cost.py) of training step `step` of full rows, the MLM head at the
+    masked tokens of the schedule's mask rate at that step."""
+    rows, seq = plan.layout.global_batch_size, config.data.seq_length
+    return model_flops(config.model, seq, rows, rows * plan.data.masked_per_row(seq, step))
+
+
+def flops_lines(config: Config, plan: RunPlan) -> list[str]:
+    """FLOPs per step at the first and the last step, and over the run (each phase counted
+    from its first and last step: exact for a constant rate, the trapezoid for a linear one).
+    """
+    first, last = step_flops(config, plan, 0), step_flops(config, plan, config.train.steps - 1)
+    total = 0.0
+    for p in plan.data.schedule.phases:
+        if p.end_step > p.first_step:
+            ends = (step_flops(config, plan, p.first_step)["training"]
+                    + step_flops(config, plan, p.end_step - 1)["training"])
+            total += (p.end_step - p.first_step) * ends / 2
+    per_token = first["training"] / (plan.layout.global_batch_size * config.data.seq_length)
+    lines = [f"FLOPs per step (model FLOPs, the MLM head at the masked tokens of the step's "
+             f"mask rate): {first['training']:.3e} at step 0 ({per_token:,.0f} per token, MLM "
+             f"head {first['head_share']:.1%} of forward)"]
+    if last["training"] != first["training"]:
+        lines[0] += f", {last['training']:.3e} at the last step"
+    lines.append(f"FLOPs of the run: {total:.3e} over {config.train.steps:,} steps")
+    return lines
 
 
 def phase_table(plan: RunPlan) -> str:

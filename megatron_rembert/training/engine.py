@@ -44,6 +44,7 @@ from megatron_rembert.training.lamb import Lamb
 from megatron_rembert.training.main_grads import MainGradients
 from megatron_rembert.training.optim import build_optimizer, build_scheduler, deepspeed_config
 from megatron_rembert.training.plan import RunPlan
+from megatron_rembert.training.startup import STARTUP
 
 
 @dataclass
@@ -129,6 +130,7 @@ class Trainer:
         self.fp8_gemms = (enable_fp8(m for m in model.modules() if isinstance(m, TransformerLayer))
                           if config.train.fp8 else [])
         model.to(device)
+        STARTUP.mark("model")
         optimizer = build_optimizer(model, config)
         if self.fp8_gemms:
             follow_optimizer(self.fp8_gemms, optimizer)

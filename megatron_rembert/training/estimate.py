@@ -10,12 +10,8 @@ from pathlib import Path
 
 from megatron_rembert.config import ConfigError
 from megatron_rembert.data.schedule import DataPlan
-from megatron_rembert.model.partition import (
-    balance_stages,
-    one_f_one_b_efficiency,
-    pipeline_layer_flops,
-)
-from megatron_rembert.model.pipeline import pipeline_layer_costs
+from megatron_rembert.model.cost import layer_parameters, parameter_table, pipeline_layer_flops
+from megatron_rembert.model.partition import balance_stages, one_f_one_b_efficiency
 from megatron_rembert.parallel.layout import Layout
 from megatron_rembert.run_config import Config
 from megatron_rembert.training import main_grads
@@ -91,8 +87,6 @@ def _transient_copy(config: Config, layout: Layout) -> list[float]:
     - at pp > 1, the layer's weights: DeepSpeed's pipeline engine saves a checkpoint one layer
       at a time, each cloned to host memory first, and loads it one layer file at a time (on a
       GPU that copy is in host memory: counted anyway, a bound)."""
-    from megatron_rembert.checkpoint.specs import param_specs
-
     weight = _weight_bytes(config)
     if main_grads.applies(config):
         skip, per_element = main_grads.summed_by_kernels(config.model), weight
@@ -100,11 +94,10 @@ def _transient_copy(config: Config, layout: Layout) -> list[float]:
         skip, per_element = (), 4 if config.parallel.zero_stage >= 1 else 0
     fresh = [0.0] * (config.model.num_hidden_layers + 2)
     saved = [0.0] * len(fresh)
-    for spec in param_specs(config.model, layout.tp):
-        numel = float(math.prod(spec.local_shape(layout.tp)))
-        saved[spec.layer] += weight * numel if layout.pp > 1 else 0.0
-        if not spec.name.endswith(skip):
-            fresh[spec.layer] = max(fresh[spec.layer], per_element * numel)
+    for param in parameter_table(config.model, layout.tp):
+        saved[param.layer] += weight * param.local if layout.pp > 1 else 0.0
+        if not param.name.endswith(skip):
+            fresh[param.layer] = max(fresh[param.layer], per_element * param.local)
     return [max(a, b) for a, b in zip(fresh, saved, strict=True)]
 
 
@@ -149,7 +142,7 @@ def stage_plan(config: Config, layout: Layout, data: DataPlan) -> StagePlan:
     flops = [x * layout.micro_batch_size / layout.tp for x in pipeline_layer_flops(
         m, seq, data.max_predictions, config.parallel.activation_checkpointing,
         masked=data.training_masked_per_row(seq))]
-    params = [c / layout.tp for c in pipeline_layer_costs(m)]
+    params = [float(n) for n in layer_parameters(m, layout.tp, local=True)]
     per_param = _bytes_per_parameter(config, layout)
     static = [p * sum(per_param.values()) for p in params]
     activations = _activation_bytes(config, layout, data.max_predictions)

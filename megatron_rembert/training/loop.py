@@ -22,10 +22,11 @@ from megatron_rembert.checkpoint.step_folder import (
 from megatron_rembert.config import ConfigError, check_choice
 from megatron_rembert.data.loader import build_pretraining_loader, build_validation_set
 from megatron_rembert.data.shards import ShardDataset
+from megatron_rembert.deepspeed_env import routine_lines_dropped, shm_op_build_note
 from megatron_rembert.errors import RunError
 from megatron_rembert.fs import sha256_file
 from megatron_rembert.launch_env import launch_env
-from megatron_rembert.model.sizes import flops_per_token
+from megatron_rembert.model.cost import model_flops
 from megatron_rembert.parallel import comm, state
 from megatron_rembert.parallel import random as tp_random
 from megatron_rembert.parallel.layout import Layout
@@ -35,6 +36,7 @@ from megatron_rembert.training.divergence import DivergenceCheck, DivergenceErro
 from megatron_rembert.training.hang import POSITION, Watchdog, describe, is_collective_failure
 from megatron_rembert.training.metrics import (
     MetricsLogger,
+    RunAverage,
     StepClock,
     format_line,
     memory_gib,
@@ -42,7 +44,8 @@ from megatron_rembert.training.metrics import (
 )
 from megatron_rembert.training.optim import lr_lambda
 from megatron_rembert.training.plan import RunPlan
-from megatron_rembert.training.signals import StopFlag
+from megatron_rembert.training.signals import PROCESS_START, StopFlag
+from megatron_rembert.training.startup import STARTUP
 
 
 class TrainingError(RunError):
@@ -84,7 +87,10 @@ def setup_distributed(timeout_minutes: float = 10.0, backend: str = "auto"
         bind = cuda and backend == "nccl" and world > 1
         dist.init_process_group(backend, timeout=timeout, rank=int(os.environ["RANK"]),
                                 world_size=world, device_id=device if bind else None)
-    deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
+    if device.type == "cpu" and dist.get_rank() == 0 and (note := shm_op_build_note()):
+        print(note, flush=True)
+    with routine_lines_dropped():  # DeepSpeed's "built successfully" line, every start
+        deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
     comm.set_device(device)
     return dist.get_rank(), dist.get_world_size(), device
 
@@ -217,10 +223,14 @@ def train(config: Config, stop: StopFlag | None = None, plan: RunPlan | None = N
     pipeline instruction) and what torch said, on every rank that saw it.
     """
     stop = stop or StopFlag()
+    stop.set_time_limit(config.train.max_minutes)
     rank, watchdog = launch_env().rank, None
     try:  # the rendezvous too: a peer that never comes is a collective failure
+        STARTUP.enable(rank == 0)
+        STARTUP.mark("imports and settings")
         rank, world, device = setup_distributed(config.parallel.timeout_minutes,
                                                 config.parallel.backend)
+        STARTUP.mark("rendezvous")
         watchdog = Watchdog(rank, 0.9 * 60 * config.parallel.timeout_minutes).start()
         # A stop during the imports or the rendezvous ends here, before the model is built
         # (a launcher's grace period before its SIGKILL may be shorter than the build).
@@ -254,10 +264,12 @@ def _train(config: Config, rank: int, world: int, device: torch.device, stop: St
     layout = plan.layout
     meta = _meta(config, sha, plan)
     resume_folder, how = _find_resume(config, meta, layout)
+    STARTUP.mark("data checks")
     state.initialize_model_parallel(layout)
     log = MetricsLogger(config.train.log_dir, enabled=rank == 0, run_config=config.to_dict(),
                         wandb_project=config.train.wandb_project)
-    trainer = Trainer(config, plan, device)
+    trainer = Trainer(config, plan, device)  # marks "model"
+    STARTUP.mark("engine")
     # Dropout streams seeded after the model is built: building draws from the default stream
     # (torch's own initialisation, overwritten by ours), as many numbers as the modules this
     # rank happens to hold. Resuming restores the saved streams.
@@ -271,9 +283,11 @@ def _train(config: Config, rank: int, world: int, device: torch.device, stop: St
                                         config.train.global_batch_size)
         log.console(f"resumed from {resume_folder.path} (step {step}, {consumed} samples "
                     "consumed)")
+    STARTUP.mark("resume")
     train_cfg, data = config.train, config.data
     loader = build_pretraining_loader(data, layout, plan.data, seed=train_cfg.seed,
                                       tokenizer_sha256=sha, consumed_samples=consumed)
+    STARTUP.mark("loader")
     POSITION.set(phase="signal agreement")
     if stop.agreed():  # a stop request during start-up: nothing new to save
         log.console(f"{stop.name or 'a signal to another rank'} during start-up: nothing new "
@@ -281,13 +295,14 @@ def _train(config: Config, rank: int, world: int, device: torch.device, stop: St
         log.close()
         return {"step": step, "last_saved": step or None, "last": {}, "stopped": True,
                 "save_dir": config.train.save_dir, "log_dir": config.train.log_dir}
-    flops_token = flops_per_token(config.model, data.seq_length, data.mask_prob)["training"]
     peak = peak_flops(device)
+    average = RunAverage(layout.world_size, peak)
     divergence = DivergenceCheck(train_cfg.divergence_factor, train_cfg.divergence_window,
                                  train_cfg.max_nonfinite_steps, start_step=step)
     last_saved = step if step else None
     last = {}
-    clock = StepClock(step, train_cfg.steps)
+    log.console(STARTUP.done())
+    clock = StepClock(step, train_cfg.steps, started=PROCESS_START)
     while step < train_cfg.steps:
         start = time.perf_counter()
         POSITION.set(step=step + 1, phase="train step", detail="loading data")
@@ -300,19 +315,25 @@ def _train(config: Config, rank: int, world: int, device: torch.device, stop: St
         diverged = divergence.problem(step, stats.loss, stats.grad_norm_finite, stats.skipped,
                                       last_step=step == train_cfg.steps)
         good = divergence.last_good == step
-        tokens_per_s = train_cfg.global_batch_size * data.seq_length / elapsed
+        tokens = train_cfg.global_batch_size * data.seq_length
+        # Model FLOPs of this step (model/cost.py): the head's at its real masked tokens.
+        flops = model_flops(config.model, data.seq_length, train_cfg.global_batch_size,
+                            stats.masked_tokens)["training"]
+        average.add(step, tokens, flops, elapsed)
+        tokens_per_s = tokens / elapsed
         last = {"loss": stats.loss, "mlm_acc": stats.mlm_acc, "lr": stats.lr,
                 "grad_norm": stats.grad_norm, "loss_scale": stats.loss_scale,
                 "skipped": stats.skipped, "tokens_per_s": tokens_per_s,
                 "masked_tokens": stats.masked_tokens, "consumed_samples": consumed,
-                "memory": memory_gib(device),
-                # Model FLOP/s per process (the summary CLI's count); MFU only on known GPUs.
-                "tflops_per_gpu": flops_token * tokens_per_s / layout.world_size / 1e12}
+                "memory": memory_gib(device), "flops": flops,
+                # Model FLOP/s per process; MFU only on known GPUs.
+                "tflops_per_gpu": flops / elapsed / layout.world_size / 1e12}
         if peak is not None:
             last["mfu"] = last["tflops_per_gpu"] * 1e12 / peak
         if step % train_cfg.log_interval == 0 or step == train_cfg.steps:
             log.log(step, last)
-            log.console(format_line(step, train_cfg.steps, last, *clock.times(step)))
+            log.console(format_line(step, train_cfg.steps, last, *clock.times(step),
+                                    stop.deadline and stop.deadline - time.monotonic()))
         if diverged:
             log.close()
             raise DivergenceError(stop_message(step, diverged, train_cfg.save_dir))
@@ -320,7 +341,7 @@ def _train(config: Config, rank: int, world: int, device: torch.device, stop: St
             POSITION.set(phase="validation")
             evaluate(trainer, config, plan, sha, step, log)
         POSITION.set(phase="signal agreement")
-        stopping = stop.agreed()
+        stopping = stop.agreed(time_limit=True)
         periodic = train_cfg.save_interval and step % train_cfg.save_interval == 0
         if (periodic or stopping or step == train_cfg.steps) and good:
             POSITION.set(phase="checkpoint save")
@@ -331,12 +352,18 @@ def _train(config: Config, rank: int, world: int, device: torch.device, stop: St
             kept = (f"saved step {step}" if last_saved == step else
                     f"{divergence.unsaved(step)}; last checkpoint: "
                     f"{f'step {last_saved}' if last_saved else 'none'}")
-            log.console(f"signal received ({stop.name or 'by another rank'}): {kept}, "
-                        "exiting for requeue")
+            why = (f"time limit reached (train.max_minutes={train_cfg.max_minutes:g})"
+                   if stop.time_limit_reached and not stop.raised else
+                   f"signal received ({stop.name or 'by another rank'})")
+            log.console(f"{why}: {kept}, exiting for requeue")
             break
+    if average.values():
+        log.log(step, average.values(), prefix="run_average")
+    log.console(average.line())
     stop.settle()  # the run's last save is done: later stop signals change nothing
     log.close()
     return {"step": step, "last_saved": last_saved, "last": last, "stopped": stop.stopping,
+            "time_limit_reached": stop.time_limit_reached, "average": average.values(),
             "save_dir": train_cfg.save_dir, "log_dir": train_cfg.log_dir}
 
 

@@ -123,14 +123,16 @@ def format_duration(seconds: float) -> str:
 
 
 class StepClock:
-    """Elapsed wall time of this run (since the loop started, after a resume too) and the ETA
-    of the last step. The ETA uses the mean step time since the first logged step: the steps
-    before it include the warm-up (the first batches, compilation, DeepSpeed's first step)."""
+    """Elapsed wall time of this run (since `started`, a time of `now`: the process's start in
+    the trainer, start-up included; default: now) and the ETA of the last step. The ETA uses
+    the mean step time since the first logged step: the steps before it include the warm-up
+    (the first batches, compilation, DeepSpeed's first step)."""
 
     def __init__(self, start_step: int, total_steps: int,
-                 now: Callable[[], float] = time.monotonic):
+                 now: Callable[[], float] = time.monotonic, started: float | None = None):
         self.total, self.now = total_steps, now
         self.start = (start_step, now())
+        self.started = self.start[1] if started is None else started
         self.first_logged: tuple[int, float] | None = None
 
     def times(self, step: int) -> tuple[float, float]:
@@ -140,11 +142,56 @@ class StepClock:
         if self.first_logged is None:
             self.first_logged = (step, t)
         per_step = (t - ref_t) / max(1, step - ref_step)
-        return t - self.start[1], per_step * max(0, self.total - step)
+        return t - self.started, per_step * max(0, self.total - step)
+
+
+class RunAverage:
+    """Throughput over the run so far: tokens and model FLOPs per second of step time, the
+    first step of this process left out (its warm-up: the first batches, allocator growth,
+    DeepSpeed's first step, kernel compilation), so a short run is not dominated by it."""
+
+    def __init__(self, world_size: int, peak: float | None):
+        self.world_size, self.peak = world_size, peak
+        self.steps = self.skipped = 0
+        self.tokens = self.flops = self.seconds = 0.0
+        self.first_step: int | None = None
+
+    def add(self, step: int, tokens: float, flops: float, seconds: float) -> None:
+        """Step `step` processed `tokens` tokens and `flops` model FLOPs in `seconds`."""
+        if not self.skipped:
+            self.skipped = 1
+            return
+        self.first_step = step if self.first_step is None else self.first_step
+        self.steps += 1
+        self.tokens, self.flops, self.seconds = (self.tokens + tokens, self.flops + flops,
+                                                  self.seconds + seconds)
+
+    def values(self) -> dict:
+        """{"steps", "tokens_per_s", "tflops_per_gpu"[, "mfu"]}; {} before a second step."""
+        if not self.steps:
+            return {}
+        out = {"steps": self.steps, "first_step": self.first_step,
+               "tokens_per_s": self.tokens / self.seconds,
+               "tflops_per_gpu": self.flops / self.seconds / self.world_size / 1e12}
+        if self.peak is not None:
+            out["mfu"] = out["tflops_per_gpu"] * 1e12 / self.peak
+        return out
+
+    def line(self) -> str:
+        """The end-of-run console line."""
+        v = self.values()
+        if not v:
+            return "run average: needs two steps or more (the first is the warm-up)"
+        mfu = f" mfu {v['mfu']:.1%}" if "mfu" in v else ""
+        return (f"run average over steps {v['first_step']}-{v['first_step'] + v['steps'] - 1}"
+                f" (the first step, the warm-up, left out): {v['tokens_per_s']:,.0f} tok/s | "
+                f"{v['tflops_per_gpu']:.3g} TFLOP/s/GPU{mfu}")
 
 
 def format_line(step: int, total: int, v: dict, elapsed_s: float | None = None,
-                eta_s: float | None = None) -> str:
+                eta_s: float | None = None, limit_s: float | None = None) -> str:
+    """The console line of a logged step; `eta_s` is to train.steps, `limit_s` the time left
+    before train.max_minutes stops the run (where set), which a resumed run continues."""
     parts = [f"step {step:>7}/{total}", f"loss {v['loss']:.4f}", f"acc {v['mlm_acc']:.3f}",
              f"lr {v['lr']:.3e}"]
     if v.get("grad_norm") is not None:
@@ -159,4 +206,6 @@ def format_line(step: int, total: int, v: dict, elapsed_s: float | None = None,
         parts.append(f"elapsed {format_duration(elapsed_s)}")
     if eta_s is not None:
         parts.append(f"eta {format_duration(eta_s)}")
+    if limit_s is not None:
+        parts.append(f"time limit in {format_duration(max(0.0, limit_s))}")
     return " | ".join(parts)

@@ -22,6 +22,11 @@ The job exits as the first signal asked, however many follow:
   the rank (exit 128 + its number: 138 for SIGUSR1) and turned a clean stop into torchrun's
   exit 1.
 
+A time limit (train.max_minutes, as Megatron's --exit-duration-in-mins) stops the run the same
+way, at the first step boundary after it passed: the ranks agree on it in the same all-reduce
+(one rank's clock past the limit stops them all). It counts from the process's start (this
+module's import: train.py's first line), so it can be set from a job's wall-time limit.
+
 This module imports only the standard library at its top: it is imported before anything else.
 """
 
@@ -37,6 +42,7 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # and passed on by torchrun); within this many seconds it counts as one press.
 SAME_PRESS_S = 0.5
 INTERRUPTED = 130  # exit code of a second Ctrl-C, as a shell reports a process killed by it
+PROCESS_START = time.monotonic()  # imported on the first line of train.py
 
 
 class StopFlag:
@@ -47,6 +53,8 @@ class StopFlag:
         self.name = ""  # the first stop signal's
         self.in_use = False  # set once training begins: then settled, never restored
         self.stopping = False  # the ranks' last agreement: stop
+        self.time_limit_reached = False  # ...and why: some rank's clock passed the limit
+        self.deadline: float | None = None  # time.monotonic() of the time limit, if any
         self._first_interrupt: float | None = None
         self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
 
@@ -76,12 +84,22 @@ class StopFlag:
         self.raised = True
         self.name = self.name or signal.Signals(signum).name
 
-    def agreed(self) -> bool:
-        """True on every rank when any rank was signalled (a collective: all ranks call it)."""
+    def set_time_limit(self, minutes: float) -> None:
+        """Stop `minutes` after the process started (0: no limit); see `agreed`."""
+        self.deadline = PROCESS_START + 60.0 * minutes if minutes > 0 else None
+
+    def agreed(self, time_limit: bool = False) -> bool:
+        """True on every rank when any rank was signalled, or (`time_limit`: at a step
+        boundary, where a stop saves) when any rank's clock passed the time limit. A
+        collective: all ranks call it."""
         import torch.distributed as dist
 
         from megatron_rembert.parallel import comm
 
-        (flag,) = comm.all_reduce_values([1.0 if self.raised else 0.0], op=dist.ReduceOp.MAX)
-        self.stopping = flag > 0
+        late = (time_limit and self.deadline is not None
+                and time.monotonic() >= self.deadline)
+        signalled, timed_out = comm.all_reduce_values(
+            [1.0 if self.raised else 0.0, 1.0 if late else 0.0], op=dist.ReduceOp.MAX)
+        self.time_limit_reached = timed_out > 0
+        self.stopping = signalled > 0 or self.time_limit_reached
         return self.stopping

@@ -14,8 +14,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "megatron_rembert"
 # collectives around it live in parallel/, so kernels/ sits below and never imports it).
 FLOORS = (
     ("errors", "fs"),  # the ground floor: import nothing of the package
-    ("config", "cli", "launch_env"),  # ModelConfig and ranges; what command lines share;
-    # the launcher's variables
+    ("config", "cli", "launch_env", "deepspeed_env"),  # ModelConfig and ranges; what command
+    # lines share; the launcher's variables; DeepSpeed's environment (its accelerator, quiet)
     ("kernels",),
     ("parallel",),
     ("data",),  # training-time data path: shards, sampler, masking, batch schema, loader

@@ -36,3 +36,22 @@ def test_rerun_reuses_same_and_refuses_other_settings(small_corpus, tmp_path):
         train_tokenizer(small_corpus, tmp_path / "spm", vocab_size=320, num_threads=1,
                         existing="reuse")
     assert (tmp_path / "spm.model").read_bytes() == before
+
+
+def test_sample_sizes_add_up_to_the_total():
+    """The sample's per-language sizes add up to the total asked for (rounding each share once
+    gave 145,938 for 145,936), every language with text gets one, and each size is its share
+    rounded down or up."""
+    from megatron_rembert.data.sampler import language_weights
+    from megatron_rembert.prep.tokenizer import sample_sizes
+
+    for counts, total in [({"a": 3, "b": 5, "c": 7}, 15), ({"a": 1, "b": 10**6}, 1000),
+                          ({"a": 145_000, "b": 900, "c": 36, "d": 0}, 145_936)]:
+        langs = sorted(counts)
+        probs = dict(zip(langs, language_weights([counts[x] for x in langs], 0.5).tolist(),
+                         strict=True))
+        sizes = sample_sizes(counts, probs, total)
+        assert sum(sizes.values()) == total
+        assert set(sizes) == {lang for lang in langs if counts[lang]}
+        for lang, k in sizes.items():
+            assert k >= 1 and abs(k - probs[lang] * total) < 2, (lang, k, probs[lang] * total)

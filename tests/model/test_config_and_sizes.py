@@ -97,13 +97,3 @@ def test_vocab_padding():
     assert config.padded_vocab_size(1) == 250_368
     assert config.padded_vocab_size(3) % (128 * 3) == 0
     assert config.padded_vocab_size(3) - config.vocab_size < 128 * 3
-
-
-@pytest.mark.parametrize("name", ["rembert", "coupled", "tiny"])
-def test_pipeline_stage_costs_count_every_parameter(name):
-    from megatron_rembert.model.pipeline import pipeline_layer_costs
-
-    config = get_preset(name)
-    costs = pipeline_layer_costs(config)
-    assert len(costs) == config.num_hidden_layers + 2
-    assert sum(costs) == parameter_counts(config).pretraining
