@@ -18,8 +18,8 @@ from megatron_rembert.eval.data import ClassificationSet, EvalDataError, Paralle
 from megatron_rembert.eval.embed import embed, n_batches
 from megatron_rembert.eval.encoder import ModelSource, Tokenizer, step0_encoder
 from megatron_rembert.eval.progress import Progress
-from megatron_rembert.eval.retrieval import accuracy_at_1, chance
 from megatron_rembert.eval.settings import Settings
+from megatron_rembert.model.retrieval import accuracy_at_1, chance
 
 
 @dataclass

@@ -4,7 +4,7 @@ With the validation (every train.eval_interval steps), on the held-out parallel 
 eval.retrieval_path (data/parallel_text.py): each sentence is encoded as pre-training builds
 a sequence, `[CLS] pieces [SEP]` cut to data.seq_length, with the run's tokenizer; the output
 of Transformer layer eval.retrieval_layer is mean-pooled over the real tokens; accuracy@1 by
-cosine in both directions (eval/retrieval.py).
+cosine in both directions (model/retrieval.py).
 
 Layouts: pp = 1 only (the config checks refuse pp > 1: the pooled layer lives on one stage).
 The sentences of all languages, both sides, are split in contiguous chunks over the DP ranks;
@@ -23,7 +23,7 @@ import torch
 
 from megatron_rembert.data.common import SpecialIds
 from megatron_rembert.data.parallel_text import read_parallel_set
-from megatron_rembert.eval.retrieval import accuracy_at_1, chance, mean_pool
+from megatron_rembert.model.retrieval import accuracy_at_1, chance, mean_pool
 from megatron_rembert.parallel import comm, state
 from megatron_rembert.prep.tokenizer import load_sentencepiece
 from megatron_rembert.run_config import Config

@@ -14,8 +14,8 @@ import torch
 from megatron_rembert.checkpoint.reader import CheckpointReader
 from megatron_rembert.checkpoint.specs import param_specs, shard
 from megatron_rembert.checkpoint.step_folder import find_latest
-from megatron_rembert.eval.retrieval import accuracy_at_1, mean_pool
 from megatron_rembert.model.rembert import RemBertModel
+from megatron_rembert.model.retrieval import accuracy_at_1, mean_pool
 from megatron_rembert.prep.corpus import SkipStats, discover_corpus, iter_documents
 from tests.distributed import run_distributed
 from tests.training.conftest import SEQ
