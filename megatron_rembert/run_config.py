@@ -140,9 +140,11 @@ class EvalConfig:
     # <lang>.tsv (text TAB English): with each validation, retrieval accuracy@1 to and from
     # English per language ("" = off; needs data.tokenizer and parallel.pp = 1)
     retrieval_path: str = ""
-    retrieval_pairs: int = 200  # the first this many pairs of each language
+    # pairs per language: a fixed subset of larger sets, duplicates dropped (the pairs that
+    # rembert-eval --max-pairs picks at the same number)
+    retrieval_pairs: int = 200
     # Transformer layer whose output is mean-pooled, 1..model.num_hidden_layers; 0 = the
-    # middle one, (num_hidden_layers + 1) // 2
+    # middle one, (num_hidden_layers + 1) // 2 (rembert-eval's default layer too)
     retrieval_layer: int = 0
 
 

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from megatron_rembert.eval.retrieval import accuracy_at_1
+from megatron_rembert.model.retrieval import accuracy_at_1
 
 L2_WEIGHT = 1e-3
 WEIGHTINGS = ("counts", "tfidf")

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from megatron_rembert.eval.embed import length_batches, pad
-from megatron_rembert.eval.retrieval import mean_pool
 from megatron_rembert.model.rembert import RemBertModel
+from megatron_rembert.model.retrieval import mean_pool
 
 POOLING = "mean of the last layer over real tokens"
 WARMUP, WEIGHT_DECAY, CLIP = 0.1, 0.01, 1.0

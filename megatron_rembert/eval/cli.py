@@ -49,11 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-lang", default=d.train_lang, help="the fine-tuning language "
                    f"(default {d.train_lang})")
     p.add_argument("--layer", default=None, help="retrieval layer: 0 = embeddings .. "
-                   "num_hidden_layers, or 'all' (default: num_hidden_layers // 2, as XTREME)")
+                   "num_hidden_layers, or 'all' (default: the middle one, "
+                   "(num_hidden_layers + 1) // 2, as the trainer's eval.retrieval_layer)")
     p.add_argument("--max-length", type=int, default=d.max_length,
                    help=f"tokens per text, [CLS] and [SEP] included (default {d.max_length})")
     p.add_argument("--max-pairs", type=int, default=d.max_pairs, help="pairs per language: "
-                   f"a fixed subset of larger sets (default {d.max_pairs})")
+                   "a fixed subset of larger sets, the one the trainer's eval.retrieval_pairs "
+                   f"picks (default {d.max_pairs})")
     p.add_argument("--seeds", type=int, default=d.seeds,
                    help=f"fine-tuning runs per system (default {d.seeds})")
     p.add_argument("--epochs", type=int, default=d.epochs, help=f"default {d.epochs}")
@@ -112,7 +114,9 @@ def _check_flags(args) -> tuple[str, ...]:
 
 
 def _layers(value: str | None, num_layers: int) -> tuple[list[int], int]:
-    middle = num_layers // 2
+    from megatron_rembert.model.retrieval import middle_layer
+
+    middle = middle_layer(num_layers)
     if value is None:
         return [middle], middle
     if value == "all":
@@ -134,11 +138,12 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     baselines = _check_flags(args)
+    from megatron_rembert.data.parallel_text import read_parallel_set
     from megatron_rembert.eval import data, report, suite
     from megatron_rembert.eval.encoder import open_checkpoint, open_hf
     from megatron_rembert.eval.progress import Progress
 
-    parallel = (data.read_parallel(args.parallel, args.max_pairs)
+    parallel = (read_parallel_set(args.parallel, args.max_pairs, f"--parallel {args.parallel}")
                 if args.parallel and not args.skip_retrieval else None)
     train = test = None
     if args.classify_train and not args.skip_classify:

@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import torch
 
-from megatron_rembert.eval.retrieval import mean_pool
 from megatron_rembert.model.rembert import RemBertModel
+from megatron_rembert.model.retrieval import mean_pool
 
 
 def length_batches(seqs: list[list[int]], batch_size: int) -> list[list[int]]:

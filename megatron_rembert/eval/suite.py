@@ -12,14 +12,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_rembert.data.parallel_text import ParallelSet
 from megatron_rembert.eval import baselines
 from megatron_rembert.eval.classify import POOLING, accuracy, finetune, predict, train_steps
-from megatron_rembert.eval.data import ClassificationSet, EvalDataError, ParallelSet
+from megatron_rembert.eval.data import ClassificationSet, EvalDataError
 from megatron_rembert.eval.embed import embed, n_batches
 from megatron_rembert.eval.encoder import ModelSource, Tokenizer, step0_encoder
 from megatron_rembert.eval.progress import Progress
-from megatron_rembert.eval.retrieval import accuracy_at_1, chance
 from megatron_rembert.eval.settings import Settings
+from megatron_rembert.model.retrieval import accuracy_at_1, chance
 
 
 @dataclass

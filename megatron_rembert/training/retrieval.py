@@ -1,10 +1,12 @@
 """Retrieval between each language and English, measured while training (eval.retrieval_*).
 
 With the validation (every train.eval_interval steps), on the held-out parallel set of
-eval.retrieval_path (data/parallel_text.py): each sentence is encoded as pre-training builds
-a sequence, `[CLS] pieces [SEP]` cut to data.seq_length, with the run's tokenizer; the output
+eval.retrieval_path (data/parallel_text.py: the pairs `rembert-eval --parallel` reads, the
+same subset when eval.retrieval_pairs equals its --max-pairs): each sentence is encoded as
+pre-training builds a sequence, `[CLS] pieces [SEP]` cut to data.seq_length, with the run's
+tokenizer (as rembert-eval at --max-length data.seq_length); the output
 of Transformer layer eval.retrieval_layer is mean-pooled over the real tokens; accuracy@1 by
-cosine in both directions (eval/retrieval.py).
+cosine in both directions (model/retrieval.py).
 
 Layouts: pp = 1 only (the config checks refuse pp > 1: the pooled layer lives on one stage).
 The sentences of all languages, both sides, are split in contiguous chunks over the DP ranks;
@@ -23,7 +25,7 @@ import torch
 
 from megatron_rembert.data.common import SpecialIds
 from megatron_rembert.data.parallel_text import read_parallel_set
-from megatron_rembert.eval.retrieval import accuracy_at_1, chance, mean_pool
+from megatron_rembert.model.retrieval import accuracy_at_1, chance, mean_pool, middle_layer
 from megatron_rembert.parallel import comm, state
 from megatron_rembert.prep.tokenizer import load_sentencepiece
 from megatron_rembert.run_config import Config
@@ -31,8 +33,8 @@ from megatron_rembert.run_config import Config
 
 def pooled_layer(config: Config) -> int:
     """The Transformer layer (1..N) whose output is pooled: eval.retrieval_layer, 0 = the
-    middle one, (N + 1) // 2."""
-    return config.eval.retrieval_layer or (config.model.num_hidden_layers + 1) // 2
+    middle one (model.retrieval.middle_layer, rembert-eval's default too)."""
+    return config.eval.retrieval_layer or middle_layer(config.model.num_hidden_layers)
 
 
 def encode(sp, texts: list[str], max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,13 +54,10 @@ def encode(sp, texts: list[str], max_length: int) -> tuple[torch.Tensor, torch.T
 def encoded_set(path: str, pairs: int, tokenizer: str, max_length: int
                 ) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """{lang: (text ids, text mask, en ids, en mask)}, each N x max_length, read and encoded
-    once per run."""
+    once per run: the pairs `rembert-eval --max-pairs pairs` reads (data/parallel_text.py)."""
     sp = load_sentencepiece(tokenizer)
-    out = {}
-    for lang, rows in read_parallel_set(path, pairs).items():
-        out[lang] = (*encode(sp, [t for t, _ in rows], max_length),
-                     *encode(sp, [e for _, e in rows], max_length))
-    return out
+    return {pset.lang: (*encode(sp, pset.texts, max_length), *encode(sp, pset.english, max_length))
+            for pset in read_parallel_set(path, pairs)}
 
 
 @torch.no_grad()

@@ -20,9 +20,9 @@ FLOORS = (
     ("parallel",),
     ("data",),  # training-time data path: shards, sampler, masking, batch schema, loader
     ("run_config",),  # the run's YAML: imports data.config, data.schedule, parallel.layout
-    ("prep", "model"),  # offline data preparation; the model
+    ("prep", "model"),  # offline data preparation; the model (and model.retrieval: the
+    # pooling and accuracy@1 that both the trainer's retrieval and eval/ compute)
     ("checkpoint",),  # below both training/ and convert/
-    ("eval",),  # retrieval math the trainer logs while training, and the offline evaluation
     ("training", "convert"),  # peers: neither imports the other
     ("eval",),  # evaluation: reads checkpoints (checkpoint/, convert/'s mapping), builds model/
     ("train", "summary", "plot"),  # entry points: parse, build, call

@@ -34,7 +34,7 @@ def test_identical_sides_score_one_unrelated_pairs_chance(checkpoint, parallel, 
     same, shuffled = res["languages"]["same"], res["languages"]["shuffled"]
     assert same["pairs"] == N and same["pairs_read"] == N + 1
     assert same["duplicates_dropped"] == 1 and same["identical_pairs"] == N
-    assert res["layer"] == 1  # 3 layers: XTREME's middle, 3 // 2
+    assert res["layer"] == 2  # 3 layers: the middle one, (3 + 1) // 2
     for system in ("model", "step0"):
         assert len(res["per_layer"][system]) == 4  # embeddings + 3 layers
         for layer in res["per_layer"][system]:

@@ -1,9 +1,16 @@
 """Retrieval measured while training (eval.retrieval_*): it changes nothing in training (the
 same losses and gradient norms with and without it, at TP 2), it is logged per language at
 each validation, and its figures equal an independent computation on the saved weights (a
-plain one-process model, the run's tokenizer called directly, eval/retrieval.py's functions),
+plain one-process model, the run's tokenizer called directly, model/retrieval.py's functions),
 at TP 2 in fp32 (exactly) and at DP 2 in bf16 (where the sentences are split over the DP
-ranks; up to one pair either way, bf16 sums in another order)."""
+ranks; up to one pair either way, bf16 sums in another order). At TP 2 they also equal what
+`rembert-eval` reports for the saved checkpoint at --max-pairs eval.retrieval_pairs and its
+default layer: the trainer's figure and the offline one are the same measurement.
+
+The pairs of both come from data/parallel_text.py (its duplicate and subset rules are tested
+in tests/data/test_parallel_text.py); the JSONL language has more lines than
+eval.retrieval_pairs, so the figures are those of the fixed random subset.
+"""
 
 import json
 from pathlib import Path
@@ -14,8 +21,9 @@ import torch
 from megatron_rembert.checkpoint.reader import CheckpointReader
 from megatron_rembert.checkpoint.specs import param_specs, shard
 from megatron_rembert.checkpoint.step_folder import find_latest
-from megatron_rembert.eval.retrieval import accuracy_at_1, mean_pool
+from megatron_rembert.data.parallel_text import read_parallel_set
 from megatron_rembert.model.rembert import RemBertModel
+from megatron_rembert.model.retrieval import accuracy_at_1, mean_pool
 from megatron_rembert.prep.corpus import SkipStats, discover_corpus, iter_documents
 from tests.distributed import run_distributed
 from tests.training.conftest import SEQ
@@ -107,15 +115,21 @@ def _reference(ckpt: Path, tokenizer: Path, folder: Path, layer: int) -> dict[st
             hidden = model(ids, mask, output_hidden_states=True)[layer]
         return mean_pool(hidden, mask)
 
-    out = {}
-    for path in sorted(folder.iterdir()):
-        if path.suffix == ".jsonl":
-            pairs = [(r["text"], r["en"]) for r in map(json.loads, path.read_text().splitlines())]
-        else:
-            pairs = [tuple(line.split("\t")) for line in path.read_text().splitlines()]
-        pairs = pairs[:PAIRS]  # the JSONL file has more
-        out[path.stem] = accuracy_at_1(pooled([p[0] for p in pairs]), pooled([p[1] for p in pairs]))
-    return out
+    return {p.lang: accuracy_at_1(pooled(p.texts), pooled(p.english))
+            for p in read_parallel_set(folder, PAIRS)}
+
+
+def _offline(ckpt: Path, folder: Path, tmp: Path, capsys) -> dict:
+    """rembert-eval's JSON document for the checkpoint in `ckpt`, at the run's pairs and
+    sequence length, its default layer, no baseline, no classification."""
+    from megatron_rembert.eval.cli import main as eval_main
+
+    out = tmp / "offline.json"
+    assert eval_main(["--checkpoint", str(ckpt), "--parallel", str(folder), "--max-pairs",
+                      str(PAIRS), "--max-length", str(SEQ), "--skip-classify", "--baselines",
+                      "none", "--quiet", "--out", str(out)]) == 0
+    capsys.readouterr()
+    return json.loads(out.read_text())
 
 
 def _check_logged(log_dir: Path, expected: dict[str, tuple], flips: int = 0) -> None:
@@ -146,7 +160,7 @@ def _check_logged(log_dir: Path, expected: dict[str, tuple], flips: int = 0) -> 
 
 
 def test_retrieval_changes_no_training_number_and_matches_the_saved_weights_tp2(
-        tmp_path, tiny_dataset, parallel_set):
+        tmp_path, tiny_dataset, parallel_set, capsys):
     data, tokenizer = tiny_dataset
     # Dropout on: a retrieval that drew from either RNG stream would change the later steps.
     layout = {"parallel.tp": 2, "model.hidden_dropout_prob": 0.1,
@@ -177,6 +191,23 @@ def test_retrieval_changes_no_training_number_and_matches_the_saved_weights_tp2(
     # tiny: 2 layers, the middle one is layer 1
     expected = _reference(tmp_path / "on" / "ckpt", tokenizer, parallel_set, layer=1)
     _check_logged(tmp_path / "on" / "logs", expected)
+    # rembert-eval on the checkpoint saved at the last validation's step: the same figures
+    jsonl = read_parallel_set(parallel_set, PAIRS + 100)[0].texts  # every line, no subset
+    assert read_parallel_set(parallel_set, PAIRS)[0].texts != jsonl[:PAIRS]  # not the first
+    doc = _offline(tmp_path / "on" / "ckpt", parallel_set, tmp_path, capsys)
+    assert doc["model"]["step"] == STEPS
+    offline = doc["retrieval"]
+    assert offline["layer"] == 1  # one middle layer for both: tiny has 2 layers
+    logged = _rows(tmp_path / "on" / "logs", "valid")[STEPS]["languages"]
+    for lang, pairs in zip(LANGS, (PAIRS, TSV_PAIRS), strict=True):
+        entry = offline["languages"][lang]
+        assert entry["pairs"] == logged[lang]["retrieval_pairs"] == pairs
+        # fp32 both, summed in other orders (the trainer's TP 2 halves and rows padded to
+        # data.seq_length, eval's one process and batches padded to their longest), yet no
+        # near tie here: the same counts of pairs found, as against _reference above
+        assert entry["model"] == pytest.approx(
+            {key: logged[lang][f"retrieval_{key}"] for key in ("to_en", "from_en")},
+            abs=1e-6), (lang, entry, logged[lang])
 
 
 def test_retrieval_split_over_dp_in_bf16_matches_the_saved_weights(tmp_path, tiny_dataset,

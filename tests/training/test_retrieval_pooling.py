@@ -1,6 +1,6 @@
 """The trainer's retrieval embeddings (training/retrieval.py) on one process, against a plain
 forward: the tokenizer called directly, `[CLS] pieces [SEP]` padded to the batch's longest
-only, RemBertModel's own hidden states, eval/retrieval.py's mean_pool. Every layer, sentences
+only, RemBertModel's own hidden states, model/retrieval.py's mean_pool. Every layer, sentences
 longer than data.seq_length (cut), a last batch that is not full; the module's training mode
 and the RNG state are as before."""
 
@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_rembert.eval.retrieval import mean_pool
 from megatron_rembert.model.rembert import RemBertForPreTraining
+from megatron_rembert.model.retrieval import mean_pool
 from megatron_rembert.run_config import load_config
 from megatron_rembert.training import retrieval
 from tests.training.conftest import SEQ
@@ -75,7 +75,7 @@ def test_pooled_embeddings_equal_a_plain_forward(setup, layer):
 
 
 def test_accuracy_and_the_row_it_joins(setup):
-    from megatron_rembert.eval.retrieval import accuracy_at_1
+    from megatron_rembert.model.retrieval import accuracy_at_1
 
     config, trainer, _, _ = setup
     config.eval.retrieval_layer = 0

@@ -1,13 +1,26 @@
-"""Sentence retrieval between a language and English, as XTREME's Tatoeba and BUCC tasks:
-mean-pooled hidden states of one layer, cosine similarity, accuracy@1 in both directions.
+"""Sentence embeddings from the encoder's hidden states and their nearest-neighbour accuracy,
+as XTREME's Tatoeba and BUCC tasks: mean-pooled hidden states of one layer (by default the
+middle one, `middle_layer`), cosine similarity, accuracy@1 in both directions.
 
-Pure tensor math on one process: the callers (eval.cli, the trainer's periodic retrieval)
-produce the hidden states.
+Pure tensor math on one process, below both callers: the trainer's periodic retrieval
+(training/retrieval.py) and the offline evaluation (eval/), which produce the hidden states.
+Layer numbers are those of transformers' `hidden_states`: 0 = the embedding output, i = the
+output of Transformer layer i.
 """
 
 from __future__ import annotations
 
 import torch
+
+
+def middle_layer(num_layers: int) -> int:
+    """The layer pooled by default: (num_layers + 1) // 2, the middle Transformer layer (for
+    an odd count exactly; for an even count the lower of the two central layers, which is the
+    exact middle of the num_layers + 1 hidden states, embeddings included). Never 0 (the
+    embeddings) for a model with layers: 1 of 1, 1 of 2, 2 of 3, 16 of 32 (RemBERT)."""
+    if num_layers < 1:
+        raise ValueError(f"middle_layer needs at least one layer, got {num_layers}")
+    return (num_layers + 1) // 2
 
 
 def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,10 @@
 """Retrieval math against independent references: identical sides score 1, shuffled pairs
-score near chance, mean pooling ignores padding."""
+score near chance, mean pooling ignores padding; the default layer is the middle one."""
 
+import pytest
 import torch
 
-from megatron_rembert.eval.retrieval import accuracy_at_1, chance, mean_pool
+from megatron_rembert.model.retrieval import accuracy_at_1, chance, mean_pool, middle_layer
 
 
 def test_identical_sides_give_accuracy_one():
@@ -42,3 +43,16 @@ def test_mean_pool_ignores_padding():
     pooled = mean_pool(hidden, mask)
     assert torch.equal(pooled[0], (hidden[0, 0] + hidden[0, 1]) / 2)
     assert torch.equal(pooled[1], hidden[1, 0])
+
+
+def test_middle_layer_is_central_among_layers_and_among_hidden_states():
+    for n in range(1, 40):
+        layer = middle_layer(n)
+        # central among the Transformer layers 1..n: as many above as below, or one more above
+        assert (n - layer) - (layer - 1) in (0, 1), n
+        # central among the n + 1 hidden states 0..n (embeddings included): one more below
+        # at most
+        assert layer - (n - layer) in (0, 1), n
+    assert [middle_layer(n) for n in (1, 2, 3, 12, 32)] == [1, 1, 2, 6, 16]
+    with pytest.raises(ValueError):
+        middle_layer(0)
