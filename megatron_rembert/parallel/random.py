@@ -80,7 +80,7 @@ def _seed_streams(seed: int, device: torch.device | str) -> None:
 
 
 def reset_tp_streams() -> None:
-    """Forget every TP stream (state.reset_process_state): the next use seeds it afresh."""
+    """Forget every TP stream (parallel.reset.reset_process_state): the next use seeds it afresh."""
     _tp_states.clear()
 
 

@@ -10,9 +10,9 @@ every collective is the identity.
 
 The package's process-wide state, all of it (a process is one rank): these groups, the
 communication device (`comm.set_device`) and the TP dropout stream (`random`); in the data
-loader's worker processes also their batch maker. `reset_process_state()` returns the first
-three to a fresh process's. Nothing else is global: an fp8 layer's weight cache is its own
-(parallel/fp8.py); tests/parallel/test_process_state.py keeps this list true.
+loader's worker processes also their batch maker. `parallel.reset.reset_process_state()`
+returns the first three to a fresh process's. Nothing else is global: an fp8 layer's weight
+cache is its own (parallel/fp8.py); tests/parallel/test_process_state.py keeps this list true.
 """
 
 from __future__ import annotations
@@ -111,16 +111,6 @@ def initialize_model_parallel(layout: Layout) -> ParallelState:
 def destroy_model_parallel() -> None:
     global _STATE
     _STATE = ParallelState()
-
-
-def reset_process_state() -> None:
-    """The package's process-wide state back to a fresh process's: no groups (one process),
-    collectives on the CPU, the TP dropout stream unseeded (seeded again at its next use)."""
-    from megatron_rembert.parallel import comm, random  # random imports this module
-
-    destroy_model_parallel()
-    comm.set_device("cpu")
-    random.reset_tp_streams()
 
 
 def get_state() -> ParallelState:

@@ -12,6 +12,7 @@ import torch
 
 import megatron_rembert
 from megatron_rembert.parallel import comm, random, state
+from megatron_rembert.parallel.reset import reset_process_state
 
 PACKAGE = Path(megatron_rembert.__file__).parent
 # (module, name) of every `global` statement allowed: the parallel groups, the communication
@@ -51,11 +52,11 @@ def test_reset_returns_the_process_to_a_fresh_ones():
     comm.set_device("meta")
     with state.offline(4, tp_rank=2):  # as a TP rank of 4
         assert state.tp_size() == 4
-        state.reset_process_state()
+        reset_process_state()
         assert (state.tp_size(), state.tp_rank()) == (1, 0)
     assert comm.device() == torch.device("cpu")
     assert random.get_rng_states()["tp"] == {}
     with random.tp_rng("cpu"):  # the stream comes back at its next use
         torch.rand(1)
     assert set(random.get_rng_states()["tp"]) == {"cpu"}
-    state.reset_process_state()
+    reset_process_state()
