@@ -1,6 +1,6 @@
 """The table and plot of the embedding-coupling experiment, from its committed result files.
 
-    python experiments/embedding_coupling/report.py [--scale cpu] [--tag sweep] [--plot FILE]
+    python -m experiments.embedding_coupling.report [--scale cpu] [--tag sweep] [--plot FILE]
 
 Prints a Markdown table (one row per variant: mean and spread over pre-training seeds, then the
 step-0, bag-of-tokens and chance rows) for docs/experiments.md, and with --plot draws the
@@ -15,7 +15,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from variants import VARIANTS
+from experiments.embedding_coupling.variants import VARIANTS
 
 HERE = Path(__file__).resolve().parent
 
@@ -41,8 +41,10 @@ def figures(result: dict, encoder: str = "model") -> dict[str, float | None]:
     per_layer = retrieval.get("per_layer", {}).get(encoder, [])
     best = max((both_ways(x["average"]) for x in per_layer), default=None)
     transfer = ev.get("classification", {}).get("average_transfer", {}).get(encoder, {})
+    centered = result.get("eval_centered", {}).get("retrieval", {})
     return {
         "retrieval": both_ways(retrieval["average"][encoder]) if retrieval else None,
+        "retrieval_centered": both_ways(centered["average"][encoder]) if centered else None,
         "retrieval_best_layer": best,
         "zero_shot": transfer.get("mean"),
         "zero_shot_seed_std": transfer.get("std"),
@@ -64,8 +66,8 @@ def spread(values: list[float | None]) -> str:
 def table(runs: dict[str, list[dict]]) -> str:
     head = ("| variant | E_in / E_out / layers | params pre-train / fine-tune | tokens | seeds "
             "| valid MLM loss (lang avg) | retrieval avg (middle layer) | retrieval, best layer "
-            "| zero-shot acc (transfer avg) |")
-    lines = [head, "|" + "---|" * 9]
+            "| retrieval, centered | zero-shot acc (transfer avg) |")
+    lines = [head, "|" + "---|" * 10]
     for variant, results in runs.items():
         first = results[0]
         m = first["model"]
@@ -78,24 +80,45 @@ def table(runs: dict[str, list[dict]]) -> str:
             f"{len(results)} | {spread([r['valid_loss_lang_avg'] for r in rows])} | "
             f"{spread([r['retrieval'] for r in rows])} | "
             f"{spread([r['retrieval_best_layer'] for r in rows])} | "
+            f"{spread([r['retrieval_centered'] for r in rows])} | "
             f"{spread([r['zero_shot'] for r in rows])} |")
     for variant, results in runs.items():  # step 0 of every variant, beside it
         rows = [figures(r, "step0") for r in results]
         lines.append(f"| {variant} at step 0 | | | 0 | {len(results)} | | "
                      f"{spread([r['retrieval'] for r in rows])} | "
                      f"{spread([r['retrieval_best_layer'] for r in rows])} | "
+                     f"{spread([r['retrieval_centered'] for r in rows])} | "
                      f"{spread([r['zero_shot'] for r in rows])} |")
     any_run = next(iter(runs.values()))[0]["eval"]
     retrieval, cls = any_run.get("retrieval", {}), any_run.get("classification", {})
     bag_r = both_ways(retrieval["average"]["bag"]) if "bag" in retrieval.get("average", {}) \
         else None
     bag_c = cls.get("average_transfer", {}).get("bag", {}).get("accuracy")
+    centered = next(iter(runs.values()))[0].get("eval_centered", {}).get("retrieval", {})
+    bag_rc = both_ways(centered["average"]["bag"]) if "bag" in centered.get("average", {}) \
+        else None
     lines.append(f"| bag of tokens (no model) | | | | | | {spread([bag_r])} | | "
-                 f"{spread([bag_c])} |")
+                 f"{spread([bag_rc])} | {spread([bag_c])} |")
     chance_c = cls.get("average_transfer", {}).get("majority")
     lines.append(f"| chance (1/N; majority label) | | | | | | "
-                 f"{spread([retrieval.get('average', {}).get('chance')])} | | "
+                 f"{spread([retrieval.get('average', {}).get('chance')])} | | | "
                  f"{spread([chance_c])} |")
+    return "\n".join(lines)
+
+
+def language_table(runs: dict[str, list[dict]]) -> str:
+    """Validation MLM loss per language at the end (equal tokens), mean over seeds."""
+    langs = sorted({lang for results in runs.values() for r in results
+                    for lang in (r["metrics"]["valid"] or {}).get("languages", {})})
+    lines = ["| variant | " + " | ".join(langs) + " |", "|" + "---|" * (len(langs) + 1)]
+    for variant, results in runs.items():
+        cells = []
+        for lang in langs:
+            values = [(r["metrics"]["valid"] or {}).get("languages", {}).get(lang, {}).get("loss")
+                      for r in results]
+            values = [v for v in values if v is not None]
+            cells.append(f"{statistics.fmean(values):.3f}" if values else "-")
+        lines.append(f"| {variant} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -144,6 +167,8 @@ def main(argv: list[str] | None = None) -> None:
     if not runs:
         sys.exit(f"error: no result files under {HERE / 'results' / args.scale / args.tag}")
     print(table(runs))
+    print()
+    print(language_table(runs))
     if args.plot:
         plot(runs, args.plot)
 

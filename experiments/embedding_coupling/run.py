@@ -1,7 +1,7 @@
 """The paper's embedding-coupling comparison on real multilingual text, at one machine's scale.
 
     apt-get download $(printf 'libreoffice-help-%s ' en-us de fr es ru el ja zh-cn ko hi tr fi vi)
-    python experiments/embedding_coupling/run.py --debs . --work ec_work
+    python -m experiments.embedding_coupling.run --debs . --work ec_work
 
 One resumable command: the LibreOffice help corpus (rembert-libreoffice-corpus), a tokenizer,
 Arrow shards, then every variant of variants.py x seed pre-trained at equal tokens
@@ -21,14 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
-from variants import SCALES, VARIANTS, Scale, variant_model
-
+from experiments.embedding_coupling.variants import SCALES, VARIANTS, Scale, variant_model
 from megatron_rembert.model.sizes import parameter_counts
 
 HERE = Path(__file__).resolve().parent
@@ -37,14 +37,22 @@ ROOT = HERE.parent.parent
 LANGUAGES = ("en", "de", "fr", "es", "fi", "tr", "vi", "ru", "el", "hi", "zh-cn", "ja", "ko")
 
 
+def free_port() -> int:
+    """A free TCP port for a one-process run's rendezvous (another job may hold 29500)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def sh(cmd: list[str], log: Path | None = None) -> None:
     """Run one stage; its output goes to the console (and `log`); a failure ends the run."""
     print("+ " + " ".join(cmd), flush=True)
+    env = {**os.environ, "MASTER_PORT": str(free_port())}
     if log is None:
-        code = subprocess.call(cmd)
+        code = subprocess.call(cmd, env=env)
     else:
         with open(log, "a") as out:
-            code = subprocess.call(cmd, stdout=out, stderr=subprocess.STDOUT)
+            code = subprocess.call(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     if code:
         sys.exit(f"error: {cmd[0]} exited {code}" + (f" (log: {log})" if log else ""))
 
@@ -108,10 +116,15 @@ def one_run(args, scale: Scale, paths: dict, variant: str, seed: int) -> None:
         *train_settings(variant, scale, seed, paths, run_dir, args.set)], run_dir / "train.log")
     trained_s = time.time() - start
     ev = paths["corpus"] / "eval"
-    sh(["rembert-eval", "--checkpoint", str(run_dir / "checkpoints"),
-        "--parallel", str(ev / "parallel"), "--classify-train", str(ev / "topic" / "train.jsonl"),
-        "--classify-test", str(ev / "topic" / "test.jsonl"), "--seeds", str(args.eval_seeds),
-        "--layer", "all", "--out", str(run_dir / "eval.json")], run_dir / "eval.log")
+    common = ["rembert-eval", "--checkpoint", str(run_dir / "checkpoints"), "--parallel",
+              str(ev / "parallel"), "--layer", "all", "--quiet"]
+    # As XTREME: the raw cosine; and each language's mean vector removed (--center), which
+    # separates what the encoder aligns from the direction every text of a language shares.
+    sh([*common, "--classify-train", str(ev / "topic" / "train.jsonl"), "--classify-test",
+        str(ev / "topic" / "test.jsonl"), "--seeds", str(args.eval_seeds),
+        "--out", str(run_dir / "eval.json")], run_dir / "eval.log")
+    sh([*common, "--skip-classify", "--center", "--out", str(run_dir / "eval_centered.json")],
+       run_dir / "eval.log")
     model = variant_model(variant, scale)
     counts = parameter_counts(model)
     result = {
@@ -124,6 +137,7 @@ def one_run(args, scale: Scale, paths: dict, variant: str, seed: int) -> None:
                                                                  - trained_s),
         "metrics": read_metrics(run_dir / "logs"),
         "eval": json.loads((run_dir / "eval.json").read_text()),
+        "eval_centered": json.loads((run_dir / "eval_centered.json").read_text()),
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")

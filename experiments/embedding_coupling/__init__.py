@@ -1,0 +1,1 @@
+"""The paper's embedding-coupling comparison at one machine's scale (docs/experiments.md)."""
