@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from megatron_rembert.model.retrieval import accuracy_at_1
+from megatron_rembert.model.retrieval import accuracy_at_1, center
 
 L2_WEIGHT = 1e-3
 WEIGHTINGS = ("counts", "tfidf")
@@ -47,14 +47,17 @@ def idf(counts: torch.Tensor) -> torch.Tensor:
     return (torch.log((1.0 + n) / (1.0 + df)) + 1.0).to(counts.dtype)
 
 
-def bag_retrieval(texts: list[list[int]], english: list[list[int]], weighting: str
-                  ) -> tuple[float, float]:
-    """(lang -> en, en -> lang) accuracy@1 of the count (or tf-idf) vectors' cosine."""
+def bag_retrieval(texts: list[list[int]], english: list[list[int]], weighting: str,
+                  centered: bool = False) -> tuple[float, float]:
+    """(lang -> en, en -> lang) accuracy@1 of the count (or tf-idf) vectors' cosine; with
+    `centered`, each side's vectors minus their mean first (as --center does to the models')."""
     # float32: counts are exact in it, and the cosine is computed in it anyway (2N x U).
     counts, _ = count_vectors(texts + english, dtype=torch.float32)
     if weighting == "tfidf":
         counts = counts * idf(counts)
     n = len(texts)
+    if centered:
+        return accuracy_at_1(center(counts[:n]), center(counts[n:]))
     return accuracy_at_1(counts[:n], counts[n:])
 
 

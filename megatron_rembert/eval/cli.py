@@ -70,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
                    f"of {','.join(BASELINES)}, or none (default all)")
     p.add_argument("--bag-weighting", choices=("counts", "tfidf"), default=d.bag_weighting,
                    help=f"bag-of-tokens retrieval vectors (default {d.bag_weighting})")
+    p.add_argument("--center", action="store_true",
+                   help="retrieval: subtract each language's mean vector from its texts' "
+                   "vectors before the cosine (models and bag alike; Libovicky et al., 2020); "
+                   "XTREME does not (default off)")
     p.add_argument("--init-seed", type=int, help="seed of the step-0 model (default: the "
                    "checkpoint's train.seed; 1234, the trainer's default, for --hf)")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
@@ -165,8 +169,8 @@ def _main(argv: list[str] | None) -> int:
         layers=layers, layer=layer, max_length=args.max_length, max_pairs=args.max_pairs,
         seeds=args.seeds, epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,
         encode_batch_size=args.encode_batch_size, train_lang=args.train_lang,
-        baselines=baselines, bag_weighting=args.bag_weighting, device=args.device,
-        init_seed=args.init_seed)
+        baselines=baselines, bag_weighting=args.bag_weighting, center=args.center,
+        device=args.device, init_seed=args.init_seed)
     prepared = suite.prepare(source.tokenizer, settings, parallel, train, test)
     progress = Progress(1, enabled=not args.quiet)
     try:

@@ -66,7 +66,8 @@ def retrieval_table(res: dict, settings: Settings, num_layers: int) -> str:
     avg = res["average"]
     rows.append(["average", "", *[_two(avg.get(k)) for k, _ in names], _num(avg.get("chance"))])
     title = (f"Retrieval accuracy@1, lang->en / en->lang: mean-pooled layer {res['layer']} of "
-             f"{num_layers} (0 = embeddings), cosine")
+             f"{num_layers} (0 = embeddings), cosine"
+             + (", each language's mean subtracted (--center)" if settings.center else ""))
     out = [title, format_table(header, rows)]
     if "per_layer" in res:
         systems = list(res["per_layer"])

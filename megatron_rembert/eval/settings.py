@@ -22,5 +22,6 @@ class Settings:
     train_lang: str = "en"
     baselines: tuple[str, ...] = BASELINES
     bag_weighting: str = "counts"
+    center: bool = False  # subtract each language's mean embedding before the cosine
     device: str = "cpu"
     init_seed: int | None = None  # the step-0 model's seed; None: the source's train.seed

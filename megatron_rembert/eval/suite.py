@@ -20,7 +20,7 @@ from megatron_rembert.eval.embed import embed, n_batches
 from megatron_rembert.eval.encoder import ModelSource, Tokenizer, step0_encoder
 from megatron_rembert.eval.progress import Progress
 from megatron_rembert.eval.settings import Settings
-from megatron_rembert.model.retrieval import accuracy_at_1, chance
+from megatron_rembert.model.retrieval import accuracy_at_1, center, chance
 
 
 @dataclass
@@ -99,7 +99,8 @@ def _retrieval(model, prep: Prepared, settings: Settings, pad_id: int, progress:
         src = torch.tensor([row[t] for t in pset.texts])
         tgt = torch.tensor([row[t] for t in pset.english])
         for layer, v in vectors.items():
-            out[layer][pset.lang] = _pair(*accuracy_at_1(v[src], v[tgt]))
+            a, b = (center(v[src]), center(v[tgt])) if settings.center else (v[src], v[tgt])
+            out[layer][pset.lang] = _pair(*accuracy_at_1(a, b))
     return out
 
 
@@ -169,7 +170,8 @@ def _retrieval_result(prep: Prepared, settings: Settings, by_system: dict,
             texts = [ids[:body] for ids in tokenizer.pieces(pset.texts)]
             english = [ids[:body] for ids in tokenizer.pieces(pset.english)]
             entry["bag"] = _pair(*baselines.bag_retrieval(texts, english,
-                                                          settings.bag_weighting))
+                                                          settings.bag_weighting,
+                                                          settings.center))
         if "chance" in settings.baselines:
             entry["chance"] = chance(len(pset))
         langs[pset.lang] = entry

@@ -54,6 +54,17 @@ def accuracy_at_1(src: torch.Tensor, tgt: torch.Tensor) -> tuple[float, float]:
     return forward, backward
 
 
+def center(x: torch.Tensor) -> torch.Tensor:
+    """x: N x H embeddings of one language's texts. Returns them minus their mean (fp32).
+
+    A multilingual encoder's sentence embeddings carry a direction shared by every text of a
+    language (its identity, frequent tokens); subtracting each language's mean removes it
+    before the cosine (Libovicky et al., 2020, "On the language neutrality of pre-trained
+    multilingual representations"). XTREME's retrieval does not; `rembert-eval --center`."""
+    x = x.to(torch.float32)
+    return x - x.mean(dim=0, keepdim=True)
+
+
 def chance(n_pairs: int) -> float:
     """Expected accuracy@1 of a random ranking of n_pairs candidates."""
     return 1.0 / n_pairs if n_pairs else 0.0

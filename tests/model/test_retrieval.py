@@ -4,7 +4,13 @@ score near chance, mean pooling ignores padding; the default layer is the middle
 import pytest
 import torch
 
-from megatron_rembert.model.retrieval import accuracy_at_1, chance, mean_pool, middle_layer
+from megatron_rembert.model.retrieval import (
+    accuracy_at_1,
+    center,
+    chance,
+    mean_pool,
+    middle_layer,
+)
 
 
 def test_identical_sides_give_accuracy_one():
@@ -56,3 +62,20 @@ def test_middle_layer_is_central_among_layers_and_among_hidden_states():
     assert [middle_layer(n) for n in (1, 2, 3, 12, 32)] == [1, 1, 2, 6, 16]
     with pytest.raises(ValueError):
         middle_layer(0)
+
+
+def test_centering_removes_each_language_s_own_direction():
+    """Two languages whose texts share content vectors but each carry a large direction of
+    their own: the raw cosine is dominated by that direction (near chance), each side minus
+    its mean finds every translation."""
+    gen = torch.Generator().manual_seed(3)
+    n, h = 200, 32
+    content = torch.randn(n, h, generator=gen)
+    lang_a = 30 * torch.randn(1, h, generator=gen)
+    lang_b = 30 * torch.randn(1, h, generator=gen)
+    src, tgt = content + lang_a, content + 0.1 * torch.randn(n, h, generator=gen) + lang_b
+    raw = accuracy_at_1(src, tgt)
+    assert max(raw) < 0.5
+    assert accuracy_at_1(center(src), center(tgt)) == (1.0, 1.0)
+    # center is "minus the column means", computed independently
+    assert torch.allclose(center(src), src - src.sum(0) / n, atol=1e-4)
