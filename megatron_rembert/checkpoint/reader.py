@@ -32,6 +32,7 @@ from megatron_rembert.checkpoint.files import (
 )
 from megatron_rembert.checkpoint.portable import PortableReader, is_portable
 from megatron_rembert.checkpoint.specs import (
+    TIED_ALIASES,
     ParamSpec,
     global_name,
     merge_shards,
@@ -120,7 +121,8 @@ class CheckpointReader:
                     raise CheckpointError(f"{path}: no 'module' state dict")
                 rank = int(path.name.split("_")[2])
                 found.update({(name, rank): StoredTensor.of(path, name, value)
-                              for name, value in module.items()})
+                              for name, value in module.items()
+                              if not self._tied_alias(name, module)})
             return found
         for path in sorted(self.folder.glob("layer_*-model_*-model_states.pt")):
             layer, rank = (int(part.split("_")[1]) for part in path.name.split("-")[:2])
@@ -130,6 +132,14 @@ class CheckpointReader:
             found.update({(global_name(layer, inner, layers), rank):
                           StoredTensor.of(path, inner, value) for inner, value in tensors.items()})
         return found
+
+    def _tied_alias(self, name: str, module: dict) -> bool:
+        """A coupled model's output embedding is its input table: torch's state dict (what
+        DeepSpeed saves) holds that one parameter under both names; the second is no tensor
+        of its own."""
+        other = TIED_ALIASES.get(name) if self.model.tie_embeddings else None
+        return (other is not None and other in module
+                and tuple(module[other].shape) == tuple(module[name].shape))
 
     def weight_dtype(self, spec: ParamSpec) -> torch.dtype:
         """The dtype `full_weight` returns, read without merging (or touching) the tensor."""

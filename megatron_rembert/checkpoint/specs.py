@@ -60,6 +60,11 @@ def global_name(layer: int, inner: str, num_layers: int) -> str:
     return layer_prefix(layer, num_layers) + inner
 
 
+# A coupled model (model.tie_embeddings) holds one parameter under two module names: the MLM
+# decoder's weight is the input table. Parameter lists count it once, under the input name.
+TIED_ALIASES = {"mlm_head.decoder.weight": "rembert.embeddings.word_embeddings.weight"}
+
+
 def param_specs(config: ModelConfig, tp: int = 1) -> list[ParamSpec]:
     """Every trainable parameter of the pre-training model at TP size `tp` (meta device)."""
     from megatron_rembert.model.rembert import RemBertForPreTraining

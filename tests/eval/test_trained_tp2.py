@@ -20,8 +20,11 @@ def _train(rank, world_size, sets):
     return loop.train(load_config(str(ROOT / "configs" / "tiny.yaml"), sets))["step"]
 
 
+@pytest.mark.parametrize("tied", [False, True])
 def test_tp2_checkpoint_and_its_hf_export_agree(tmp_path, corpus_and_tokenizer, parallel,
-                                                capsys):
+                                                capsys, tied):
+    """tied: a coupled model (E_in = E_out, one table), whose DeepSpeed file holds the table
+    under both module names."""
     pytest.importorskip("tokenizers")
     from megatron_rembert.convert.__main__ import main as convert
     from megatron_rembert.prep.preprocess import PreprocessConfig, preprocess
@@ -35,6 +38,8 @@ def test_tp2_checkpoint_and_its_hf_export_agree(tmp_path, corpus_and_tokenizer, 
             "train.steps": 3, "train.global_batch_size": 4, "train.micro_batch_size": 2,
             "train.eval_interval": 0, "train.save_interval": 0, "optim.warmup_steps": 1,
             "train.save_dir": tmp_path / "ckpt", "train.log_dir": tmp_path / "logs"}
+    if tied:
+        sets |= {"model.tie_embeddings": "true", "model.output_embedding_size": 16}
     steps = run_distributed(_train, 2, [f"{k}={v}" for k, v in sets.items()], timeout=400)
     assert steps == [3, 3]
     assert sorted(p.name for p in (tmp_path / "ckpt" / "step_00000003").glob("mp_rank_*")) == [
