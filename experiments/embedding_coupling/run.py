@@ -100,6 +100,7 @@ def read_metrics(log_dir: Path) -> dict:
     train = [r for r in rows if r.get("split") == "train"]
     valid = [r for r in rows if r.get("split") == "valid"]
     return {"train_curve": [[r["step"], r["loss"]] for r in train],
+            "consumed_samples": train[-1]["consumed_samples"] if train else 0,
             "valid_curve": [[r["step"], r["loss"]] for r in valid],
             "valid": valid[-1] if valid else None}
 
@@ -127,15 +128,17 @@ def one_run(args, scale: Scale, paths: dict, variant: str, seed: int) -> None:
        run_dir / "eval.log")
     model = variant_model(variant, scale)
     counts = parameter_counts(model)
+    metrics = read_metrics(run_dir / "logs")
     result = {
         "variant": variant, "seed": seed, "scale": args.scale, "tag": args.tag,
         "settings": args.set, "commit": _commit(), "scale_settings": asdict(scale),
         "model": asdict(model),
         "parameters": {"pretraining": counts.pretraining, "finetuning": counts.finetuning},
-        "tokens": scale.steps * scale.global_batch_size * scale.seq_length,
+        # what was trained (a --set may change the steps or the batch), not the scale's plan
+        "tokens": metrics["consumed_samples"] * scale.seq_length,
         "train_seconds": round(trained_s), "eval_seconds": round(time.time() - start
                                                                  - trained_s),
-        "metrics": read_metrics(run_dir / "logs"),
+        "metrics": metrics,
         "eval": json.loads((run_dir / "eval.json").read_text()),
         "eval_centered": json.loads((run_dir / "eval_centered.json").read_text()),
     }
