@@ -30,6 +30,11 @@ class SpecialIds:
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
 
+    def framed(self, pieces: list[int], max_length: int) -> list[int]:
+        """One text as a pre-training row frames it: `[CLS] pieces [SEP]`, the pieces cut to
+        max_length - 2 (what the trainer's retrieval and rembert-eval both encode)."""
+        return [self.cls, *pieces[: max_length - 2], self.sep]
+
     @classmethod
     def from_dict(cls, d: dict[str, int]) -> SpecialIds:
         return cls(**{k: int(d[k]) for k in ("pad", "unk", "cls", "sep", "mask")})

@@ -53,8 +53,7 @@ class Tokenizer:
         return [list(ids) for ids in self.sp.encode(texts)]
 
     def encode(self, texts: list[str], max_length: int) -> list[list[int]]:
-        body = max_length - 2
-        return [[self.special.cls, *ids[:body], self.special.sep] for ids in self.pieces(texts)]
+        return [self.special.framed(ids, max_length) for ids in self.pieces(texts)]
 
 
 def load_tokenizer(path: Path, flag: str, vocab_size: int, expected_sha: str | None,

@@ -44,7 +44,7 @@ def encode(sp, texts: list[str], max_length: int) -> tuple[torch.Tensor, torch.T
     input_ids = torch.full((len(texts), max_length), ids.pad, dtype=torch.long)
     mask = torch.zeros((len(texts), max_length), dtype=torch.long)
     for row, pieces in enumerate(sp.encode(texts)):
-        seq = [ids.cls, *pieces[: max_length - 2], ids.sep]
+        seq = ids.framed(pieces, max_length)
         input_ids[row, : len(seq)] = torch.tensor(seq)
         mask[row, : len(seq)] = 1
     return input_ids, mask
