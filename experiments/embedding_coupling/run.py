@@ -90,7 +90,9 @@ def train_settings(variant: str, scale: Scale, seed: int, paths: dict, run_dir: 
              "train.log_interval=50", f"train.eval_interval={max(scale.steps // 10, 1)}",
              "train.eval_batches=4", f"train.save_interval={max(scale.steps // 10, 1)}",
              "train.keep_last=1", f"train.save_dir={run_dir / 'checkpoints'}",
-             f"train.log_dir={run_dir / 'logs'}"]
+             f"train.log_dir={run_dir / 'logs'}",
+             # retrieval on held-out pairs at every validation: the transfer learning curve
+             f"eval.retrieval_path={paths['corpus'] / 'eval' / 'parallel'}"]
     return [arg for s in sets + extra for arg in ("--set", s)]
 
 
@@ -100,6 +102,9 @@ def read_metrics(log_dir: Path) -> dict:
     train = [r for r in rows if r.get("split") == "train"]
     valid = [r for r in rows if r.get("split") == "valid"]
     return {"train_curve": [[r["step"], r["loss"]] for r in train],
+            # middle layer, eval.retrieval_pairs pairs per language: [step, to_en, from_en]
+            "retrieval_curve": [[r["step"], r["retrieval_to_en"], r["retrieval_from_en"]]
+                                for r in valid if "retrieval_to_en" in r],
             "consumed_samples": train[-1]["consumed_samples"] if train else 0,
             "valid_curve": [[r["step"], r["loss"]] for r in valid],
             "valid": valid[-1] if valid else None}

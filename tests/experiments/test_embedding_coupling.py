@@ -42,7 +42,8 @@ def test_reinvested_depth_fills_the_coupled_fine_tuning_budget(scale):
 
 
 def test_a_run_s_settings_build_the_variant(tmp_path):
-    paths = {"data": tmp_path / "data", "tokenizer": tmp_path / "spm.model"}
+    paths = {"data": tmp_path / "data", "tokenizer": tmp_path / "spm.model",
+             "corpus": tmp_path / "corpus"}
     args = train_settings("reinvested", SCALES["cpu"], 2, paths, tmp_path / "run", [])
     sets = [args[i + 1] for i in range(0, len(args), 2)]
     assert args[::2] == ["--set"] * len(sets)
@@ -56,5 +57,6 @@ def test_a_run_s_settings_build_the_variant(tmp_path):
             continue
         assert getattr(config.model, field.name) == getattr(want, field.name), field.name
     assert config.train.seed == 2
+    assert config.eval.retrieval_path == str(tmp_path / "corpus" / "eval" / "parallel")
     assert config.train.steps * config.train.global_batch_size * config.data.seq_length \
         == SCALES["cpu"].steps * SCALES["cpu"].global_batch_size * SCALES["cpu"].seq_length
