@@ -98,3 +98,14 @@ def predict(model: Classifier, seqs: list[list[int]], batch_size: int,
 
 def accuracy(predicted: torch.Tensor, labels: list[int]) -> float:
     return (predicted == torch.tensor(labels, dtype=torch.long)).float().mean().item()
+
+
+def balanced_accuracy(predicted: torch.Tensor, labels: list[int]) -> float:
+    """The mean over the labels present in `labels` of the share of their examples predicted
+    right (macro-averaged recall). Unlike accuracy, answering one label always scores 1/K here
+    whatever the labels' shares, so a test set whose labels are unequally frequent (the help
+    modules are) cannot make a classifier that ignores its input look good."""
+    target = torch.tensor(labels, dtype=torch.long)
+    right = predicted == target
+    return torch.stack([right[target == k].float().mean()
+                        for k in target.unique()]).mean().item()

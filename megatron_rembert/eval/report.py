@@ -79,23 +79,33 @@ def retrieval_table(res: dict, settings: Settings, num_layers: int) -> str:
     return "\n".join(out)
 
 
-def classification_table(res: dict, settings: Settings) -> str:
+def classification_table(res: dict, settings: Settings, balanced: bool = False) -> str:
+    """Accuracy (chance: the majority label's share, and 1/K), or with `balanced` the mean
+    recall over the labels (chance 1/K whatever the labels' shares)."""
     names = [(k, t) for k, t in SYSTEMS if any(k in e for e in res["languages"].values())]
+    chance = ["1/K"] if balanced else ["majority", "1/K"]
     header = ["lang", "examples", *[f"{t} (mean ± std)" if k != "bag" else t
-                                    for k, t in names], "majority", "1/K"]
+                                    for k, t in names], *chance]
 
     def cells(e: dict) -> list[str]:
-        return [_spread(e.get(k)) if k != "bag" else
-                (_num(e["bag"]["accuracy"]) if "bag" in e else "-") for k, _ in names]
+        out = []
+        for k, _ in names:
+            if k not in e:
+                out.append("-")
+            elif k == "bag":
+                out.append(_num(e["bag"]["balanced" if balanced else "accuracy"]))
+            else:
+                out.append(_spread(e[k]["balanced"] if balanced else e[k]))
+        return out + ([] if balanced else [_num(e.get("majority"))]) + [_num(e.get("uniform"))]
 
-    rows = [[lang, e["examples"], *cells(e), _num(e.get("majority")), _num(e.get("uniform"))]
-            for lang, e in sorted(res["languages"].items())]
+    rows = [[lang, e["examples"], *cells(e)] for lang, e in sorted(res["languages"].items())]
     for key, label in (("average", "average"), ("average_transfer",
                                                 f"average without {res['train_lang']}")):
         if key in res:
-            rows.append([label, "", *cells(res[key]), _num(res[key].get("majority")),
-                         _num(res[key].get("uniform"))])
-    title = (f"Zero-shot classification accuracy: fine-tuned on {res['train_lang']} only "
+            rows.append([label, "", *cells(res[key])])
+    what = ("Zero-shot classification, balanced accuracy (mean recall over the labels)"
+            if balanced else "Zero-shot classification accuracy")
+    title = (f"{what}: fine-tuned on {res['train_lang']} only "
              f"({res['train_examples']} examples, {len(res['labels'])} labels, "
              f"{settings.seeds} seeds, {settings.epochs} epochs, lr {settings.lr:g}; "
              f"classifier on the {res['pooling']})")
@@ -114,5 +124,6 @@ def console(doc: dict, settings: Settings) -> str:
         lines += ["", retrieval_table(doc["retrieval"], settings,
                                       m["config"]["num_hidden_layers"])]
     if "classification" in doc:
-        lines += ["", classification_table(doc["classification"], settings)]
+        lines += ["", classification_table(doc["classification"], settings),
+                  "", classification_table(doc["classification"], settings, balanced=True)]
     return "\n".join(lines)

@@ -14,7 +14,14 @@ import torch
 
 from megatron_rembert.data.parallel_text import ParallelSet
 from megatron_rembert.eval import baselines
-from megatron_rembert.eval.classify import POOLING, accuracy, finetune, predict, train_steps
+from megatron_rembert.eval.classify import (
+    POOLING,
+    accuracy,
+    balanced_accuracy,
+    finetune,
+    predict,
+    train_steps,
+)
 from megatron_rembert.eval.data import ClassificationSet, EvalDataError
 from megatron_rembert.eval.embed import embed, n_batches
 from megatron_rembert.eval.encoder import ModelSource, Tokenizer, step0_encoder
@@ -105,10 +112,11 @@ def _retrieval(model, prep: Prepared, settings: Settings, pad_id: int, progress:
 
 
 def _classification(model, prep: Prepared, settings: Settings, pad_id: int,
-                    progress: Progress, name: str) -> dict[str, list[float]]:
-    """{lang: accuracy per seed} of one encoder fine-tuned on the train language."""
+                    progress: Progress, name: str) -> dict[str, list[tuple[float, float]]]:
+    """{lang: (accuracy, balanced accuracy) per seed} of one encoder fine-tuned on the train
+    language."""
     seqs, labels = prep.train
-    out: dict[str, list[float]] = {lang: [] for lang in prep.tests}
+    out: dict[str, list[tuple[float, float]]] = {lang: [] for lang in prep.tests}
     for seed in range(settings.seeds):
         progress.set_stage(f"{name}: fine-tuning, seed {seed}")
         clf = finetune(model, seqs, labels, len(prep.labels), seed, settings.epochs,
@@ -118,7 +126,8 @@ def _classification(model, prep: Prepared, settings: Settings, pad_id: int,
             predicted = predict(clf, test_seqs, settings.encode_batch_size, settings.device,
                                 pad_id)
             progress.advance(n_batches(len(test_seqs), settings.encode_batch_size))
-            out[lang].append(accuracy(predicted, test_labels))
+            out[lang].append((accuracy(predicted, test_labels),
+                              balanced_accuracy(predicted, test_labels)))
         del clf
     return out
 
@@ -187,6 +196,12 @@ def _retrieval_result(prep: Prepared, settings: Settings, by_system: dict,
     return out
 
 
+def _seed_means(runs_by_language: list[list[float]], seeds: int) -> dict:
+    """Per seed the mean over languages, then the spread of those over seeds."""
+    return _spread([statistics.fmean(runs[s] for runs in runs_by_language)
+                    for s in range(seeds)])
+
+
 def _classification_result(prep: Prepared, settings: Settings, by_system: dict,
                            tokenizer: Tokenizer) -> dict:
     train_seqs, train_labels = prep.train
@@ -199,9 +214,11 @@ def _classification_result(prep: Prepared, settings: Settings, by_system: dict,
     for lang, (seqs, labels) in prep.tests.items():
         entry = {"examples": len(seqs)}
         for name, runs in by_system.items():
-            entry[name] = _spread(runs[lang])
+            entry[name] = {**_spread([a for a, _ in runs[lang]]),
+                           "balanced": _spread([b for _, b in runs[lang]])}
         if bag is not None:
-            entry["bag"] = {"accuracy": accuracy(bag[lang], labels)}
+            entry["bag"] = {"accuracy": accuracy(bag[lang], labels),
+                            "balanced": balanced_accuracy(bag[lang], labels)}
         if "chance" in settings.baselines:
             entry["majority"] = baselines.majority_rate(labels)
             entry["uniform"] = baselines.uniform_rate(len(prep.labels))
@@ -215,12 +232,13 @@ def _classification_result(prep: Prepared, settings: Settings, by_system: dict,
             continue
         avg = {}
         for name in by_system:  # per seed, the mean over languages; then over seeds
-            per_seed = [statistics.fmean(langs[lang][name]["runs"][s] for lang in members)
-                        for s in range(settings.seeds)]
-            avg[name] = _spread(per_seed)
+            runs = [langs[lang][name] for lang in members]
+            avg[name] = {**_seed_means([e["runs"] for e in runs], settings.seeds),
+                         "balanced": _seed_means([e["balanced"]["runs"] for e in runs],
+                                                 settings.seeds)}
         if bag is not None:
-            avg["bag"] = {"accuracy": statistics.fmean(langs[m]["bag"]["accuracy"]
-                                                       for m in members)}
+            avg["bag"] = {key: statistics.fmean(langs[m]["bag"][key] for m in members)
+                          for key in ("accuracy", "balanced")}
         if "chance" in settings.baselines:
             avg["majority"] = statistics.fmean(langs[m]["majority"] for m in members)
             avg["uniform"] = baselines.uniform_rate(len(prep.labels))
