@@ -48,6 +48,8 @@ def figures(result: dict, encoder: str = "model") -> dict[str, float | None]:
         "retrieval_best_layer": best,
         "zero_shot": transfer.get("mean"),
         "zero_shot_seed_std": transfer.get("std"),
+        # mean recall over the labels: chance is 1/K whatever the labels' shares
+        "zero_shot_balanced": transfer.get("balanced", {}).get("mean"),
         "valid_loss": valid.get("loss") if encoder == "model" else None,
         "valid_loss_lang_avg": valid.get("loss_lang_avg") if encoder == "model" else None,
     }
@@ -66,8 +68,8 @@ def spread(values: list[float | None]) -> str:
 def table(runs: dict[str, list[dict]]) -> str:
     head = ("| variant | E_in / E_out / layers | params pre-train / fine-tune | tokens | seeds "
             "| valid MLM loss (lang avg) | retrieval avg (middle layer) | retrieval, best layer "
-            "| retrieval, centered | zero-shot acc (transfer avg) |")
-    lines = [head, "|" + "---|" * 10]
+            "| retrieval, centered | zero-shot acc (transfer avg) | zero-shot balanced acc |")
+    lines = [head, "|" + "---|" * 11]
     for variant, results in runs.items():
         first = results[0]
         m = first["model"]
@@ -81,28 +83,32 @@ def table(runs: dict[str, list[dict]]) -> str:
             f"{spread([r['retrieval'] for r in rows])} | "
             f"{spread([r['retrieval_best_layer'] for r in rows])} | "
             f"{spread([r['retrieval_centered'] for r in rows])} | "
-            f"{spread([r['zero_shot'] for r in rows])} |")
+            f"{spread([r['zero_shot'] for r in rows])} | "
+            f"{spread([r['zero_shot_balanced'] for r in rows])} |")
     for variant, results in runs.items():  # step 0 of every variant, beside it
         rows = [figures(r, "step0") for r in results]
         lines.append(f"| {variant} at step 0 | | | 0 | {len(results)} | | "
                      f"{spread([r['retrieval'] for r in rows])} | "
                      f"{spread([r['retrieval_best_layer'] for r in rows])} | "
                      f"{spread([r['retrieval_centered'] for r in rows])} | "
-                     f"{spread([r['zero_shot'] for r in rows])} |")
+                     f"{spread([r['zero_shot'] for r in rows])} | "
+                     f"{spread([r['zero_shot_balanced'] for r in rows])} |")
     any_run = next(iter(runs.values()))[0]["eval"]
     retrieval, cls = any_run.get("retrieval", {}), any_run.get("classification", {})
     bag_r = both_ways(retrieval["average"]["bag"]) if "bag" in retrieval.get("average", {}) \
         else None
     bag_c = cls.get("average_transfer", {}).get("bag", {}).get("accuracy")
+    bag_cb = cls.get("average_transfer", {}).get("bag", {}).get("balanced")
     centered = next(iter(runs.values()))[0].get("eval_centered", {}).get("retrieval", {})
     bag_rc = both_ways(centered["average"]["bag"]) if "bag" in centered.get("average", {}) \
         else None
     lines.append(f"| bag of tokens (no model) | | | | | | {spread([bag_r])} | | "
-                 f"{spread([bag_rc])} | {spread([bag_c])} |")
+                 f"{spread([bag_rc])} | {spread([bag_c])} | {spread([bag_cb])} |")
     chance_c = cls.get("average_transfer", {}).get("majority")
-    lines.append(f"| chance (1/N; majority label) | | | | | | "
+    uniform = cls.get("average_transfer", {}).get("uniform")
+    lines.append(f"| chance (1/N; majority label; 1/K) | | | | | | "
                  f"{spread([retrieval.get('average', {}).get('chance')])} | | | "
-                 f"{spread([chance_c])} |")
+                 f"{spread([chance_c])} | {spread([uniform])} |")
     return "\n".join(lines)
 
 
@@ -123,35 +129,58 @@ def language_table(runs: dict[str, list[dict]]) -> str:
 
 
 def plot(runs: dict[str, list[dict]], out: Path) -> None:
+    """Three panels: validation MLM loss by step; retrieval (middle layer, both ways) by step
+    with each variant's step-0 figure dashed and the bag of tokens dotted; the transfer figures
+    per variant, trained beside step 0."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (curves, bars) = plt.subplots(1, 2, figsize=(13, 4.5))
+    fig, (curves, retrieval, bars) = plt.subplots(1, 3, figsize=(17, 4.6))
     for i, (variant, results) in enumerate(runs.items()):
         for r in results:
+            first = r is results[0]
             curve = r["metrics"]["valid_curve"]
-            steps, losses = [s for s, _ in curve], [v for _, v in curve]
-            curves.plot(steps, losses, color=f"C{i}", alpha=0.8,
-                        label=variant if r is results[0] else None)
+            curves.plot([s for s, _ in curve], [v for _, v in curve], color=f"C{i}",
+                        alpha=0.8, label=variant if first else None)
+            rc = r["metrics"].get("retrieval_curve", [])
+            retrieval.plot([s for s, _, _ in rc], [(a + b) / 2 for _, a, b in rc],
+                           color=f"C{i}", alpha=0.8, label=variant if first else None)
+            step0 = figures(r, "step0")["retrieval"]
+            # comparable only where the curve and the final evaluation used the same pairs
+            same = r.get("retrieval_curve_pairs") == r["eval"].get("settings", {}).get(
+                "max_pairs")
+            if step0 is not None and rc and same:
+                retrieval.hlines(step0, 0, rc[-1][0], colors=f"C{i}", linestyles="dashed",
+                                 alpha=0.6)
+    bag = next(iter(runs.values()))[0]["eval"].get("retrieval", {}).get("average", {})
+    if "bag" in bag:
+        retrieval.axhline(both_ways(bag["bag"]), color="k", linestyle="dotted",
+                          label="bag of tokens")
     curves.set(xlabel="step", ylabel="validation MLM loss", title="pre-training")
-    curves.legend()
+    curves.legend(fontsize=8)
+    retrieval.set(xlabel="step", ylabel="retrieval acc@1 (both ways)",
+                  title="retrieval while training (dashed: step 0)")
+    retrieval.legend(fontsize=8)
     names = list(runs)
-    for j, (key, label) in enumerate((("retrieval", "retrieval acc@1"),
-                                      ("zero_shot", "zero-shot accuracy"))):
+    measures = (("retrieval", "retrieval"), ("retrieval_centered", "retrieval, centered"),
+                ("zero_shot_balanced", "zero-shot balanced acc"))
+    width = 0.8 / (2 * len(measures))
+    for j, (key, label) in enumerate(measures):
         for k, encoder in enumerate(("model", "step0")):
             means = []
             for variant in names:
                 vals = [figures(r, encoder)[key] for r in runs[variant]]
                 vals = [v for v in vals if v is not None]
                 means.append(statistics.fmean(vals) if vals else 0.0)
-            xs = [x + 2.5 * j + 0.4 * k for x in range(len(names))]
-            bars.bar([x * 0.4 for x in xs], means, width=0.15,
-                     color=f"C{j}", alpha=1.0 if encoder == "model" else 0.35,
+            xs = [x - 0.4 + width * (2 * j + k + 0.5) for x in range(len(names))]
+            bars.bar(xs, means, width=width, color=f"C{j}",
+                     alpha=1.0 if encoder == "model" else 0.35,
                      label=f"{label} ({'trained' if encoder == 'model' else 'step 0'})")
-    bars.set_title("transfer (per variant, left to right: " + ", ".join(names) + ")")
-    bars.legend(fontsize=8)
+    bars.set_xticks(range(len(names)), names, rotation=20, fontsize=8)
+    bars.set_title("transfer, trained (solid) and step 0 (pale)")
+    bars.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 

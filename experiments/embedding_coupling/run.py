@@ -34,6 +34,9 @@ from megatron_rembert.model.sizes import parameter_counts
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 # 13 languages in 7 scripts: Latin, Cyrillic, Greek, Devanagari, Han, Japanese, Hangul.
+# Held-out pairs per language, for rembert-eval and for the trainer's retrieval while training
+# (the same fixed subset at the same number), so the learning curve and the final figures agree.
+EVAL_PAIRS = 1000
 LANGUAGES = ("en", "de", "fr", "es", "fi", "tr", "vi", "ru", "el", "hi", "zh-cn", "ja", "ko")
 
 
@@ -92,7 +95,8 @@ def train_settings(variant: str, scale: Scale, seed: int, paths: dict, run_dir: 
              "train.keep_last=1", f"train.save_dir={run_dir / 'checkpoints'}",
              f"train.log_dir={run_dir / 'logs'}",
              # retrieval on held-out pairs at every validation: the transfer learning curve
-             f"eval.retrieval_path={paths['corpus'] / 'eval' / 'parallel'}"]
+             f"eval.retrieval_path={paths['corpus'] / 'eval' / 'parallel'}",
+             f"eval.retrieval_pairs={EVAL_PAIRS}"]
     return [arg for s in sets + extra for arg in ("--set", s)]
 
 
@@ -123,7 +127,7 @@ def one_run(args, scale: Scale, paths: dict, variant: str, seed: int) -> None:
     trained_s = time.time() - start
     ev = paths["corpus"] / "eval"
     common = ["rembert-eval", "--checkpoint", str(run_dir / "checkpoints"), "--parallel",
-              str(ev / "parallel"), "--layer", "all", "--quiet"]
+              str(ev / "parallel"), "--max-pairs", str(EVAL_PAIRS), "--layer", "all", "--quiet"]
     # As XTREME: the raw cosine; and each language's mean vector removed (--center), which
     # separates what the encoder aligns from the direction every text of a language shares.
     sh([*common, "--classify-train", str(ev / "topic" / "train.jsonl"), "--classify-test",
@@ -141,6 +145,7 @@ def one_run(args, scale: Scale, paths: dict, variant: str, seed: int) -> None:
         "parameters": {"pretraining": counts.pretraining, "finetuning": counts.finetuning},
         # what was trained (a --set may change the steps or the batch), not the scale's plan
         "tokens": metrics["consumed_samples"] * scale.seq_length,
+        "retrieval_curve_pairs": EVAL_PAIRS,
         "train_seconds": round(trained_s), "eval_seconds": round(time.time() - start
                                                                  - trained_s),
         "metrics": metrics,

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from experiments.embedding_coupling.run import train_settings
+from experiments.embedding_coupling.run import EVAL_PAIRS, train_settings
 from experiments.embedding_coupling.variants import SCALES, VARIANTS, variant_model
 from megatron_rembert.model.sizes import parameter_counts
 from megatron_rembert.run_config import build_config
@@ -58,5 +58,6 @@ def test_a_run_s_settings_build_the_variant(tmp_path):
         assert getattr(config.model, field.name) == getattr(want, field.name), field.name
     assert config.train.seed == 2
     assert config.eval.retrieval_path == str(tmp_path / "corpus" / "eval" / "parallel")
+    assert config.eval.retrieval_pairs == EVAL_PAIRS  # the curve's pairs are the final eval's
     assert config.train.steps * config.train.global_batch_size * config.data.seq_length \
         == SCALES["cpu"].steps * SCALES["cpu"].global_batch_size * SCALES["cpu"].seq_length
