@@ -65,20 +65,13 @@ def _main(argv: list[str] | None, stop: StopFlag) -> int:
     parser.add_argument("--world-size", type=int,
                         help="number of processes assumed by --dry-run (default: $WORLD_SIZE, "
                         "else tp x pp)")
-    links = parser.add_argument_group(
-        "--dry-run's communication estimate (training/communication.py; defaults: an H100 "
-        "node of 8 GPUs on NVLink, one 400 Gb/s NIC per GPU)")
-    for flag, kind, what in (
-            ("--intra-node-gbps", float, "link bandwidth between GPUs of one node, Gb/s per GPU "
-             "and direction (default 3600)"),
-            ("--inter-node-gbps", float, "network bandwidth between nodes, Gb/s per GPU and "
-             "direction (default 400)"),
-            ("--gpus-per-node", int, "ranks per node; rank // this is the node (default 8)"),
-            ("--assume-mfu", float, "fraction of the GPU's peak the matmuls reach while "
-             "computing, in (0, 1] (default 0.4)"),
-            ("--gpu", str, "whose bf16 peak FLOP/s the compute time takes: H100 (default), "
-             "H200, A100")):
-        links.add_argument(flag, type=kind, help=what)
+    from megatron_rembert.training.links import FLAGS, LinkAssumptions  # torch-free
+
+    assumed = parser.add_argument_group(
+        "--dry-run's communication estimate (training/communication.py)")
+    for field, (flag, kind, what) in FLAGS.items():
+        assumed.add_argument(flag, type=kind, dest=field,
+                           help=f"{what} (default {getattr(LinkAssumptions, field)})")
     args = parser.parse_args(argv)
     launch = launch_env()  # the launcher's variables, checked before anything uses them
     config = load_config(args.config, args.set)
@@ -93,18 +86,13 @@ def _main(argv: list[str] | None, stop: StopFlag) -> int:
                           "installed; pip install wandb, or leave train.wandb_project empty")
     if args.world_size is not None and args.world_size < 1:
         raise ConfigError(f"--world-size {args.world_size}: must be >= 1")
-    stated = {field: (flag, value) for flag, field, value in (
-        ("--intra-node-gbps", "intra_node_gbps", args.intra_node_gbps),
-        ("--inter-node-gbps", "inter_node_gbps", args.inter_node_gbps),
-        ("--gpus-per-node", "gpus_per_node", args.gpus_per_node),
-        ("--assume-mfu", "mfu", args.assume_mfu), ("--gpu", "gpu", args.gpu)) if value is not None}
+    stated = {field: getattr(args, field) for field in FLAGS
+              if getattr(args, field) is not None}
     if stated and not args.dry_run:
-        raise ConfigError(f"{next(iter(stated.values()))[0]}: only with --dry-run (it states "
-                          "what the communication estimate assumes)")
+        raise ConfigError(f"{FLAGS[next(iter(stated))][0]}: only with --dry-run (it states what "
+                          "the communication estimate assumes)")
     if args.dry_run:  # checked before the plan: a ConfigError naming the flag
-        from megatron_rembert.training.communication import LinkAssumptions
-
-        links = LinkAssumptions(**{field: value for field, (_, value) in stated.items()})
+        links = LinkAssumptions(**stated)
     from megatron_rembert.training.estimate import check_memory, memory_verdict
     from megatron_rembert.training.plan import RunPlan
 

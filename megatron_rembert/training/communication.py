@@ -30,13 +30,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_rembert.config import ConfigError
 from megatron_rembert.data import batch
 from megatron_rembert.model.cost import tp_all_reduces
 from megatron_rembert.model.pipeline import PIPE_ACTIVATIONS
 from megatron_rembert.parallel.layout import Layout, layout_rank
 from megatron_rembert.run_config import Config
 from megatron_rembert.training import main_grads
+from megatron_rembert.training.links import LinkAssumptions
 from megatron_rembert.training.plan import RunPlan
 
 # How the DP gradients are reduced: the path a run takes is `dp_path(config)`.
@@ -47,6 +47,9 @@ DP_PATHS = {
                       "weights' all-gather",
     "deepspeed": "DeepSpeed's own reduction (estimate)",
 }
+# training/optim.py's parameter groups (with and without weight decay): DeepSpeed keeps one
+# flat buffer per group, and each is reduced and gathered apart.
+OPTIMIZER_GROUPS = 2
 META_ELEMENTS_BASE = 7  # DeepSpeed's PartitionedTensor meta: [3, B, S, H, tp, rank, tp+1 bounds]
 
 
@@ -180,19 +183,20 @@ def _dp(config: Config, plan: RunPlan, stage: int, rank: int, path: str) -> list
         raise ValueError(f"unknown DP path {path!r}; one of {sorted(DP_PATHS)}")
     params = int(plan.stages.parameters[stage])
     weight, ranks = activation_bytes(config), group_ranks(layout, rank, "DP")
+    groups = OPTIMIZER_GROUPS
     gather = Collective("DP", "all-gather", "weights after the ZeRO-1 step", weight * params,
-                        1, ranks)
+                        groups, ranks)
     if path == "allreduce":
-        return [Collective("DP", "all-reduce", "fp32 main gradients", 4 * params, 1, ranks),
-                gather]
-    if path == "reduce_scatter":
-        return [Collective("DP", "reduce-scatter", "fp32 gradients, bucketed", 4 * params, 1,
-                           ranks, overlap="backward"), gather]
+        return [Collective("DP", "all-reduce", "fp32 main gradients", 4 * params, groups,
+                           ranks), gather]
+    if path == "reduce_scatter":  # buckets: calls depend on the bucket size, counted as groups
+        return [Collective("DP", "reduce-scatter", "fp32 gradients, bucketed", 4 * params,
+                           groups, ranks, overlap="backward"), gather]
     if config.parallel.zero_stage == 0:  # the engine all-reduces the gradients after backward
-        return [Collective("DP", "all-reduce", "gradients (DeepSpeed)", weight * params, 1,
+        return [Collective("DP", "all-reduce", "gradients (DeepSpeed)", weight * params, groups,
                            ranks)]
-    return [Collective("DP", "reduce-scatter", "gradients (DeepSpeed, overlap_comm)",
-                       4 * params, 1, ranks, overlap="backward"), gather]
+    return [Collective("DP", "reduce-scatter", "gradients, counted as fp32 (DeepSpeed, "
+                       "overlap_comm)", 4 * params, groups, ranks, overlap="backward"), gather]
 
 
 def step_collectives(config: Config, plan: RunPlan, stage: int,
@@ -208,45 +212,6 @@ def step_collectives(config: Config, plan: RunPlan, stage: int,
 
 
 # -- time at a stated bandwidth and MFU -------------------------------------------------------
-@dataclass(frozen=True)
-class LinkAssumptions:
-    """What `--dry-run` assumes of the machine (train.py's flags; defaults: an H100 node of 8
-    GPUs on NVLink 4, 450 GB/s per direction, and one 400 Gb/s NIC per GPU)."""
-
-    intra_node_gbps: float = 3600.0  # gigabits per second per GPU, each direction
-    inter_node_gbps: float = 400.0
-    gpus_per_node: int = 8
-    mfu: float = 0.4  # the fraction of peak the rank's matmuls reach while computing
-    gpu: str = "H100"
-
-    def __post_init__(self):
-        from megatron_rembert.training.metrics import PEAK_BF16_FLOPS
-
-        for flag, value in (("--intra-node-gbps", self.intra_node_gbps),
-                            ("--inter-node-gbps", self.inter_node_gbps)):
-            if not (math.isfinite(value) and value > 0):
-                raise ConfigError(f"{flag} {value:g}: must be a bandwidth > 0 (Gb/s)")
-        if self.gpus_per_node < 1:
-            raise ConfigError(f"--gpus-per-node {self.gpus_per_node}: must be >= 1")
-        if not (math.isfinite(self.mfu) and 0 < self.mfu <= 1):
-            raise ConfigError(f"--assume-mfu {self.mfu:g}: must be in (0, 1]")
-        if self.gpu not in PEAK_BF16_FLOPS:
-            raise ConfigError(f"--gpu {self.gpu}: one of {', '.join(PEAK_BF16_FLOPS)}")
-
-    @property
-    def peak_flops(self) -> float:
-        from megatron_rembert.training.metrics import PEAK_BF16_FLOPS
-
-        return PEAK_BF16_FLOPS[self.gpu]
-
-    def inter_node(self, ranks: tuple[int, ...]) -> bool:
-        return len({r // self.gpus_per_node for r in ranks}) > 1
-
-    def bytes_per_second(self, ranks: tuple[int, ...]) -> float:
-        gbps = self.inter_node_gbps if self.inter_node(ranks) else self.intra_node_gbps
-        return gbps * 1e9 / 8
-
-
 @dataclass(frozen=True)
 class StageTime:
     """One stage's step at the assumptions: compute, and each collective's exposed seconds."""

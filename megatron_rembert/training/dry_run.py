@@ -9,11 +9,11 @@ from megatron_rembert.model.sizes import parameter_counts
 from megatron_rembert.run_config import Config
 from megatron_rembert.training.communication import (
     DP_PATHS,
-    LinkAssumptions,
     dp_path,
     stage_time,
 )
 from megatron_rembert.training.estimate import MEMORY_KEYS, memory_estimate
+from megatron_rembert.training.links import LinkAssumptions
 from megatron_rembert.training.plan import RunPlan
 
 
@@ -165,5 +165,7 @@ def communication_lines(config: Config, plan: RunPlan, links: LinkAssumptions) -
     lines.append(f"compute {busiest.compute_s * 1e3:,.1f} ms ({flops:.3e} FLOPs per rank); "
                  "communication exposed "
                  f"{busiest.total_exposed_s * 1e3:,.1f} ms = "
-                 f"{busiest.total_exposed_s / busiest.step_s:.1%} of the step")
+                 f"{busiest.total_exposed_s / busiest.step_s:.1%} of the step"
+                 + (" (compute + exposed; the pipeline's fill and drain not counted: see the "
+                    "1F1B bound above)" if plan.layout.pp > 1 else ""))
     return lines

@@ -19,7 +19,6 @@ from megatron_rembert.parallel import state
 from megatron_rembert.parallel.mappings import ALL_REDUCE_BYTES, ALL_REDUCE_COUNTS
 from megatron_rembert.run_config import build_config, load_config
 from megatron_rembert.training.communication import (
-    LinkAssumptions,
     dp_path,
     group_ranks,
     stage_time,
@@ -27,6 +26,7 @@ from megatron_rembert.training.communication import (
     wire_factor,
 )
 from megatron_rembert.training.dry_run import dry_run_report
+from megatron_rembert.training.links import LinkAssumptions
 from megatron_rembert.training.plan import RunPlan
 from tests.training.helpers import PREDICTIONS, SEQ, micro_batches
 
