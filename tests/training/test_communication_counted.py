@@ -119,17 +119,20 @@ def _classify(calls: list, groups: dict) -> tuple[Counter, Counter, list]:
     return n, size, scalars
 
 
-@pytest.mark.parametrize("tp, pp, dp, recompute, layers", [
-    (2, 2, 2, True, 2),  # every group, both pipeline ends, recomputation's forward all-reduces
-    (2, 3, 1, False, 3),  # a middle stage: activations and gradients both ways
+@pytest.mark.parametrize("tp, pp, dp, recompute, layers, precision", [
+    # every group, both pipeline ends, recomputation's forward all-reduces; bf16 activations
+    # and weights, fp32 main gradients: the production path
+    (2, 2, 2, True, 2, "bf16"),
+    (2, 3, 1, False, 3, "fp32"),  # a middle stage: activations and gradients both ways
 ])
-def test_dry_run_bytes_equal_the_counted_collectives(tp, pp, dp, recompute, layers):
+def test_dry_run_bytes_equal_the_counted_collectives(tp, pp, dp, recompute, layers, precision):
     from megatron_rembert.parallel.layout import layout_coords
     from megatron_rembert.run_config import build_config
     from megatron_rembert.training.communication import group_ranks, step_collectives
     from megatron_rembert.training.plan import RunPlan
 
-    overrides = layout_overrides(tp, pp, 1, recompute, **{"model.num_hidden_layers": layers})
+    overrides = layout_overrides(tp, pp, 1, recompute, **{"model.num_hidden_layers": layers,
+                                                           "train.precision": precision})
     config = build_config({"model": {"preset": "tiny"}}, overrides)
     results = run_distributed(counting_worker, tp * pp * dp, overrides, timeout=500)
     padding = 2 * dp * 2 * 4  # DeepSpeed pads each of 2 flat fp32 groups to 2 x dp elements
