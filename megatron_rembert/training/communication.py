@@ -1,7 +1,8 @@
 """What one optimizer step communicates per rank, and the time it adds at a stated link
 bandwidth: the collectives of the tensor-parallel (TP), pipeline (PP) and data-parallel (DP)
 groups as the code issues them, allocating nothing. `--dry-run` prints them
-(training/dry_run.py); a test counts the real calls of a training step against them.
+(training/dry_run.py); tests/training/test_communication_counted.py counts the real calls of a
+training step against them.
 
 Bytes on the wire per rank (a bandwidth-only model: no latency term):
     ring all-reduce of a B-byte buffer over n ranks     2(n-1)/n x B sent (and as many received)
@@ -11,7 +12,8 @@ A group whose ranks are not all on one node runs at the inter-node bandwidth; ra
 in order (rank // gpus_per_node is the node), as torchrun and SLURM place them.
 
 What overlaps compute (the rest is exposed: bytes / bandwidth adds to the step):
-- TP: every all-reduce sits between two matmuls that need its result: exposed.
+- TP: every all-reduce sits between two matmuls that need its result, and the pipeline's
+  all-gather of the hidden states comes before the stage's compute: exposed.
 - PP: DeepSpeed's pipeline engine sends and receives with blocking calls between its 1F1B
   compute instructions: exposed, both directions.
 - DP, path "allreduce" (today, training/main_grads.py): the fp32 main gradients are summed after

@@ -184,6 +184,15 @@ def test_the_report_of_a_multi_node_run():
     assert math.isclose(busiest.step_s, busiest.compute_s + sum(busiest.exposed_s))
 
 
+def test_deepspeeds_own_reduction_is_named_an_estimate():
+    config, plan = _tiny("train.precision=fp16", "train.global_batch_size=8", world=4)
+    assert dp_path(config) == "deepspeed"  # fp16 keeps DeepSpeed's loss scaler and reduction
+    ops = {c.op for c in step_collectives(config, plan, 0) if c.group == "DP"}
+    assert ops == {"reduce-scatter", "all-gather"}
+    assert "DP gradient path 'deepspeed': DeepSpeed's own reduction (estimate)" in \
+        dry_run_report(config, plan)
+
+
 def test_one_rank_has_nothing_to_communicate():
     config, plan = _tiny(world=1)
     assert step_collectives(config, plan, 0) == []
