@@ -143,11 +143,15 @@ def communication_lines(config: Config, plan: RunPlan, links: LinkAssumptions) -
              f"  DP gradient path {path!r}: {DP_PATHS[path]}"]
     if plan.layout.pp > 1:
         for t in times:
-            by_group = {g: sum(s for c, s in zip(t.collectives, t.exposed_s, strict=True)
-                               if c.group == g) for g in ("TP", "PP", "DP")}
-            lines.append(f"  stage {t.stage}: compute {t.compute_s * 1e3:,.1f} ms, exposed "
-                         + ", ".join(f"{g} {s * 1e3:,.1f}" for g, s in by_group.items())
-                         + f" ms = {t.total_exposed_s / t.step_s:.1%} of its step")
+            parts = []
+            for g in ("TP", "PP", "DP"):
+                mine = [(c, s) for c, s in zip(t.collectives, t.exposed_s, strict=True)
+                        if c.group == g]
+                parts.append(f"{g} {sum(c.wire_bytes for c, _ in mine) / 2**30:,.2f} GiB "
+                             f"({sum(s for _, s in mine) * 1e3:,.1f} ms exposed)")
+            lines.append(f"  stage {t.stage}: compute {t.compute_s * 1e3:,.1f} ms; "
+                         + ", ".join(parts) + f"; exposed {t.total_exposed_s / t.step_s:.1%} "
+                         "of its step")
         lines.append(f"stage {busiest.stage}, the longest step:")
     order = {"TP": 0, "PP": 1, "DP": 2}
     pairs = sorted(zip(busiest.collectives, busiest.exposed_s, strict=True),

@@ -180,7 +180,9 @@ def test_the_report_of_a_multi_node_run():
     assert total in report
     assert sum(exposed) == pytest.approx(busiest.total_exposed_s * 1e3, abs=0.01 * len(exposed))
     for t in times:
-        assert f"stage {t.stage}: compute {t.compute_s * 1e3:,.1f} ms" in report
+        dp = sum(c.wire_bytes for c in t.collectives if c.group == "DP")
+        assert f"stage {t.stage}: compute {t.compute_s * 1e3:,.1f} ms; TP " in report
+        assert f"DP {dp / 2**30:,.2f} GiB" in report
     assert math.isclose(busiest.step_s, busiest.compute_s + sum(busiest.exposed_s))
 
 
