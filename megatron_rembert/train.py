@@ -60,11 +60,18 @@ def _main(argv: list[str] | None, stop: StopFlag) -> int:
                         help="override one key, repeatable: --set train.steps=20 "
                         "--set parallel.tp=2 (keys listed below)")
     parser.add_argument("--dry-run", action="store_true",
-                        help="print sizes, layout, per-rank memory and FLOPs per step; "
-                        "allocate nothing and exit")
+                        help="print sizes, layout, per-rank memory, FLOPs and communication "
+                        "per step; allocate nothing and exit")
     parser.add_argument("--world-size", type=int,
                         help="number of processes assumed by --dry-run (default: $WORLD_SIZE, "
                         "else tp x pp)")
+    from megatron_rembert.training.links import FLAGS, LinkAssumptions  # torch-free
+
+    assumed = parser.add_argument_group(
+        "--dry-run's communication estimate (training/communication.py)")
+    for field, (flag, kind, what) in FLAGS.items():
+        assumed.add_argument(flag, type=kind, dest=field,
+                           help=f"{what} (default {getattr(LinkAssumptions, field)})")
     args = parser.parse_args(argv)
     launch = launch_env()  # the launcher's variables, checked before anything uses them
     config = load_config(args.config, args.set)
@@ -79,6 +86,13 @@ def _main(argv: list[str] | None, stop: StopFlag) -> int:
                           "installed; pip install wandb, or leave train.wandb_project empty")
     if args.world_size is not None and args.world_size < 1:
         raise ConfigError(f"--world-size {args.world_size}: must be >= 1")
+    stated = {field: getattr(args, field) for field in FLAGS
+              if getattr(args, field) is not None}
+    if stated and not args.dry_run:
+        raise ConfigError(f"{FLAGS[next(iter(stated))][0]}: only with --dry-run (it states what "
+                          "the communication estimate assumes)")
+    if args.dry_run:  # checked before the plan: a ConfigError naming the flag
+        links = LinkAssumptions(**stated)
     from megatron_rembert.training.estimate import check_memory, memory_verdict
     from megatron_rembert.training.plan import RunPlan
 
@@ -92,7 +106,7 @@ def _main(argv: list[str] | None, stop: StopFlag) -> int:
     if args.dry_run:
         from megatron_rembert.training.dry_run import dry_run_report
 
-        print(dry_run_report(config, plan))
+        print(dry_run_report(config, plan, links))
         fits, said = memory_verdict(plan.stages, launch.local_rank, local_world)
         print(f"{said}: {'fits' if fits else 'does NOT fit; training would refuse to start'}"
               f"{'' if fits else ' (parallel.memory_check=false starts anyway)'}")

@@ -1,5 +1,5 @@
-"""The cost model: parameters and matmul FLOPs of every pipeline layer (embedding, N Transformer
-layers, MLM head), the one place they are derived.
+"""The cost model: parameters, matmul FLOPs and tensor-parallel all-reduces of every pipeline
+layer (embedding, N Transformer layers, MLM head), the one place they are derived.
 
 Parameters come from the model itself, built on the meta device (`parameter_table`): what a
 checkpoint stores (`full`, vocabulary padding excluded) and what one TP rank holds (`local`).
@@ -7,7 +7,8 @@ FLOPs (2 per multiply-add) come from the matmul shapes (`LayerFlops`); the MLM h
 how many rows it runs on, so every FLOP count takes the masked tokens (or the mask rate) of the
 step it is for. Consumers: the stage split and the memory estimate (training/estimate.py), the
 logged MFU (training/loop.py, with each step's real masked tokens), `--dry-run` (with the data
-plan's mask-rate schedule) and the summary CLI.
+plan's mask-rate schedule) and the summary CLI. The TP all-reduces (`tp_all_reduces`) feed
+the communication estimate of `--dry-run` (training/communication.py).
 """
 
 from __future__ import annotations
@@ -126,3 +127,47 @@ def pipeline_layer_flops(config: ModelConfig, seq_length: int, predictions: int,
     head = 3 * (predictions * cost.head_dense + projection) + (projection if fused else 0)
     layer = (4 if recompute else 3) * cost.layer
     return [3 * cost.embedding] + [layer] * config.num_hidden_layers + [float(head)]
+
+
+# -- tensor-parallel all-reduces --------------------------------------------------------------
+@dataclass(frozen=True)
+class TPAllReduce:
+    """One kind of all-reduce over the TP group that a pipeline layer runs per micro-batch, as
+    the code issues it (parallel/mappings.py; `tag` is the tag it counts under there)."""
+
+    tag: str  # "forward" (reduce_from_tp), "backward" (copy_to_tp's gradient), "loss"
+    what: str  # the tensor, in words
+    elements: int  # of one call's buffer
+    element_bytes: int
+    calls: int  # per micro-batch
+
+    @property
+    def buffer_bytes(self) -> int:
+        return self.elements * self.element_bytes
+
+
+def tp_all_reduces(config: ModelConfig, seq_length: int, predictions: int, micro_batch: int,
+                   recompute: bool, activation_bytes: int) -> list[list[TPAllReduce]]:
+    """Per pipeline layer, the TP all-reduces of one micro-batch of `micro_batch` sequences
+    (at tp > 1; none at tp = 1), activations of `activation_bytes` per element:
+    - embedding: the vocab-parallel lookup's partial rows summed, B x S x E_in (forward);
+    - Transformer layer: the attention and FFN output projections (row-parallel) in forward,
+      the gradient of each block's input (`copy_to_tp`) in backward, B x S x H each; with
+      activation checkpointing the forward runs again in backward, its all-reduces too;
+    - MLM head: the gradient of the transformed rows (`copy_to_tp`), B*P x E_out, and the
+      vocab-parallel loss's row max (MAX) and [sum-exp, target logit] (SUM) of B*P rows, fp32
+      (both loss backends; parallel/cross_entropy.py).
+    Sequence parallelism does not exist here: every TP collective is an all-reduce."""
+    b, s, h = micro_batch, seq_length, config.hidden_size
+    rows = b * predictions  # the head runs on every slot, padded ones included (static shapes)
+    embedding = [TPAllReduce("forward", "embedding lookup", b * s * config.input_embedding_size,
+                             activation_bytes, 1)]
+    layer = [TPAllReduce("forward", "attention and FFN outputs", b * s * h, activation_bytes,
+                         4 if recompute else 2),
+             TPAllReduce("backward", "attention and FFN input gradients", b * s * h,
+                         activation_bytes, 2)]
+    head = [TPAllReduce("backward", "MLM head input gradient",
+                        rows * config.output_embedding_size, activation_bytes, 1),
+            TPAllReduce("loss", "loss row max", rows, 4, 1),
+            TPAllReduce("loss", "loss sum-exp and target logit", 2 * rows, 4, 1)]
+    return [embedding] + [layer] * config.num_hidden_layers + [head]

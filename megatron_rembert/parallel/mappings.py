@@ -6,12 +6,14 @@
   partial sum (row-parallel linear, vocab-parallel embedding).
 
 Every all-reduce goes through `all_reduce_` (and from there through `parallel.comm`), which
-counts calls in `ALL_REDUCE_COUNTS` so tests can check the communication plan (exactly one
-forward all-reduce per attention and FFN block). The sum over the TP group (every all-reduce of
-a Transformer layer) is the custom operator `megatron_rembert::tp_all_reduce_`: torch.compile
-keeps it as one opaque call inside the layer's graph (dynamo refuses the counter's update inside
-an autograd Function, and an opaque call needs nothing traceable from the backend, gloo
-included), so a compiled layer stays one graph under tensor parallelism.
+counts calls in `ALL_REDUCE_COUNTS` and buffer bytes in `ALL_REDUCE_BYTES`, by tag, so tests
+can check the communication plan (exactly one forward all-reduce per attention and FFN block;
+the bytes `--dry-run` counts from model/cost.py's `tp_all_reduces`). The sum over the TP group
+(every all-reduce of a Transformer layer) is the custom operator
+`megatron_rembert::tp_all_reduce_`: torch.compile keeps it as one opaque call inside the layer's
+graph (dynamo refuses the counter's update inside an autograd Function, and an opaque call needs
+nothing traceable from the backend, gloo included), so a compiled layer stays one graph under
+tensor parallelism.
 """
 
 from __future__ import annotations
@@ -24,12 +26,18 @@ import torch.distributed as dist
 from megatron_rembert.parallel import comm, state
 
 ALL_REDUCE_COUNTS: Counter = Counter()
+ALL_REDUCE_BYTES: Counter = Counter()
+
+
+def _count(tensor: torch.Tensor, tag: str) -> None:
+    ALL_REDUCE_COUNTS[tag] += 1
+    ALL_REDUCE_BYTES[tag] += tensor.numel() * tensor.element_size()
 
 
 @torch.library.custom_op("megatron_rembert::tp_all_reduce_", mutates_args=("tensor",))
 def _tp_all_reduce_(tensor: torch.Tensor, tag: str) -> None:
     """In-place sum over the TP group."""
-    ALL_REDUCE_COUNTS[tag] += 1
+    _count(tensor, tag)
     comm.all_reduce(tensor, group=state.tp_group())
 
 
@@ -42,7 +50,7 @@ def all_reduce_(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, tag: str
             _tp_all_reduce_(tensor, tag)
             return
         group = state.tp_group()
-    ALL_REDUCE_COUNTS[tag] += 1
+    _count(tensor, tag)
     comm.all_reduce(tensor, op=op, group=group)
 
 

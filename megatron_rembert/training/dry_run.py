@@ -1,5 +1,5 @@
 """`train.py --dry-run`: the run plan in words (sizes, layout, per-rank memory, FLOPs per step,
-the pipeline stages and the schedules), allocating nothing."""
+the pipeline stages, the communication per step and the schedules), allocating nothing."""
 
 from __future__ import annotations
 
@@ -7,12 +7,19 @@ from megatron_rembert.cli import format_table
 from megatron_rembert.model.cost import model_flops
 from megatron_rembert.model.sizes import parameter_counts
 from megatron_rembert.run_config import Config
+from megatron_rembert.training.communication import (
+    DP_PATHS,
+    dp_path,
+    stage_time,
+)
 from megatron_rembert.training.estimate import MEMORY_KEYS, memory_estimate
+from megatron_rembert.training.links import LinkAssumptions
 from megatron_rembert.training.plan import RunPlan
 
 
-def dry_run_report(config: Config, plan: RunPlan) -> str:
-    """The `--dry-run` text of `config` run as `plan` (`RunPlan.build`)."""
+def dry_run_report(config: Config, plan: RunPlan, links: LinkAssumptions | None = None) -> str:
+    """The `--dry-run` text of `config` run as `plan` (`RunPlan.build`), its communication at
+    `links` (default: `LinkAssumptions()`)."""
     par, layout = config.parallel, plan.layout
     counts = parameter_counts(config.model)
     tokens = layout.global_batch_size * config.data.seq_length
@@ -36,6 +43,7 @@ def dry_run_report(config: Config, plan: RunPlan) -> str:
     lines.append(f"  {'total':<17} {total / gib:8.2f} GiB")
     if layout.pp > 1:
         lines += stage_table(config, plan)
+    lines += communication_lines(config, plan, links or LinkAssumptions())
     lines.append(phase_table(plan))
     return "\n".join(lines)
 
@@ -116,4 +124,52 @@ def stage_table(config: Config, plan: RunPlan) -> list[str]:
         lines.append(f"  stage {i}: {_layer_names(start, stop, config.model.num_hidden_layers):<34}"
                      f" FLOPs {stages.flops[i] / total:6.1%}  {stages.parameters[i]:>13,.0f} "
                      f"parameters  {stages.total_memory(i) / 2**30:7.2f} GiB")
+    return lines
+
+
+def communication_lines(config: Config, plan: RunPlan, links: LinkAssumptions) -> list[str]:
+    """Per rank and optimizer step (training/communication.py): the collectives of the busiest
+    stage (the longest compute + exposed communication) as a table, one line per stage at
+    pp > 1, and what is assumed."""
+    times = [stage_time(config, plan, i, links) for i in range(plan.layout.pp)]
+    busiest = max(times, key=lambda t: t.step_s)
+    path = dp_path(config)
+    lines = ["communication per rank per step (bandwidth only, no latency; scalars left out):",
+             f"  assumed: {links.intra_node_gbps:g} Gb/s per GPU within a node, "
+             f"{links.inter_node_gbps:g} Gb/s across nodes, {links.gpus_per_node} GPUs per "
+             f"node; matmuls at {links.mfu:.0%} of the {links.gpu}'s "
+             f"{links.peak_flops / 1e12:g} TFLOP/s (--intra-node-gbps, --inter-node-gbps, "
+             "--gpus-per-node, --assume-mfu, --gpu)",
+             f"  DP gradient path {path!r}: {DP_PATHS[path]}"]
+    if plan.layout.pp > 1:
+        for t in times:
+            parts = []
+            for g in ("TP", "PP", "DP"):
+                mine = [(c, s) for c, s in zip(t.collectives, t.exposed_s, strict=True)
+                        if c.group == g]
+                parts.append(f"{g} {sum(c.wire_bytes for c, _ in mine) / 2**30:,.2f} GiB "
+                             f"({sum(s for _, s in mine) * 1e3:,.1f} ms exposed)")
+            lines.append(f"  stage {t.stage}: compute {t.compute_s * 1e3:,.1f} ms; "
+                         + ", ".join(parts) + f"; exposed {t.total_exposed_s / t.step_s:.1%} "
+                         "of its step")
+        lines.append(f"stage {busiest.stage}, the longest step:")
+    order = {"TP": 0, "PP": 1, "DP": 2}
+    pairs = sorted(zip(busiest.collectives, busiest.exposed_s, strict=True),
+                   key=lambda pair: order[pair[0].group])
+    rows = [[c.group, c.size, "inter-node" if links.inter_node(c.ranks) else "intra-node",
+             c.op, c.what, c.calls, f"{c.wire_bytes / 2**20:,.1f}",
+             "during backward" if c.overlap == "backward" else "no", f"{s * 1e3:,.2f}"]
+            for c, s in pairs]
+    if rows:
+        lines.append(format_table(["group", "size", "link", "collective", "what", "calls",
+                                   "MiB/step", "overlapped", "exposed ms"], rows))
+    else:
+        lines.append("  none: one rank per stage, no tensor or data parallelism")
+    flops = plan.stages.flops[busiest.stage] * plan.layout.gas
+    lines.append(f"compute {busiest.compute_s * 1e3:,.1f} ms ({flops:.3e} FLOPs per rank); "
+                 "communication exposed "
+                 f"{busiest.total_exposed_s * 1e3:,.1f} ms = "
+                 f"{busiest.total_exposed_s / busiest.step_s:.1%} of the step"
+                 + (" (compute + exposed; the pipeline's fill and drain not counted: see the "
+                    "1F1B bound above)" if plan.layout.pp > 1 else ""))
     return lines
