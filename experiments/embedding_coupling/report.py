@@ -188,7 +188,7 @@ def plot(runs: dict[str, list[dict]], out: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--scale", default="cpu")
+    p.add_argument("--scale", default="cpu-small")
     p.add_argument("--tag", default="sweep")
     p.add_argument("--plot", type=Path, help="write the figure here (PNG)")
     args = p.parse_args(argv)
