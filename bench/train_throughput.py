@@ -213,8 +213,8 @@ def engine_comparison(config: ModelConfig, precision: str, micro: int, seq: int,
     import gc
 
     from megatron_rembert.parallel import state
+    from megatron_rembert.training.distributed import setup_distributed
     from megatron_rembert.training.engine import Trainer
-    from megatron_rembert.training.loop import setup_distributed
     from megatron_rembert.training.metrics import memory_gib, peak_flops
     from megatron_rembert.training.plan import RunPlan
 
@@ -350,9 +350,9 @@ def trainer_throughput(preset: str, micro: int, gas: int, seq: int, steps: int) 
     `train.py --dry-run` estimates for this layout."""
     from megatron_rembert.parallel import state
     from megatron_rembert.run_config import load_config
+    from megatron_rembert.training.distributed import setup_distributed
     from megatron_rembert.training.engine import Trainer
     from megatron_rembert.training.estimate import MEMORY_KEYS, memory_estimate
-    from megatron_rembert.training.loop import setup_distributed
     from megatron_rembert.training.metrics import memory_gib, peak_flops
     from megatron_rembert.training.plan import RunPlan
 

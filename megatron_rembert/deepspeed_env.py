@@ -5,7 +5,7 @@ on every start kept off the console.
 On a machine without a GPU DeepSpeed's own detection settles on the CPU and warns "Setting
 accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it." on
 every command; naming it (DS_ACCELERATOR=cpu, what it would choose) says nothing. This package
-runs on CUDA or the CPU only (training.loop.setup_distributed), the same test as here.
+runs on CUDA or the CPU only (training.distributed.setup_distributed), the same test as here.
 """
 
 from __future__ import annotations

@@ -253,7 +253,7 @@ def check_ranges(config: Config) -> None:
 
 def check_schedule(config: Config) -> None:
     """The data schedules and the LR's decay start, each problem one line naming the key.
-    Language names are checked against the dataset at start-up (training.loop.check_inputs),
+    Language names are checked against the dataset at start-up (training.inputs.check_inputs),
     P against the largest mask rate where it is derived (data.schedule.DataPlan.resolve)."""
     data, steps = config.data, config.train.steps
     starts = data.phase_starts

@@ -262,7 +262,7 @@ def build_pretraining_loader(
     `layout.gas` of them.
 
     Special ids and the vocabulary size come from the dataset's manifest (the trainer checks
-    them against the model before, in `training.loop.check_inputs`). `plan` (the run's, see
+    them against the model before, in `training.inputs.check_inputs`). `plan` (the run's, see
     `DataPlan.resolve`) gives the schedules and P. `num_workers` defaults to
     `data.num_workers`; `num_micro_batches` (default: endless) stops the stream."""
     ds, masking, ws = _setup(data, "train", tokenizer_sha256, seed, plan, data.mask_prob)

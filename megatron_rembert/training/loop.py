@@ -1,39 +1,28 @@
-"""The training loop: data, steps, metrics, validation, checkpoints, signals, resume."""
+"""The training loop: start-up in order (rendezvous, checks, resume decision, model, engine,
+resume, loader), then the steps with their metrics, validation, checkpoints and stop signals.
+
+Each start-up idea lives in its own module: distributed (the process group), inputs (the
+cheaper checks), save_dir (run meta, the lock, the resume decision), validation."""
 
 from __future__ import annotations
 
-import os
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from megatron_rembert.checkpoint import CheckpointError, resume
-from megatron_rembert.checkpoint.lock import SaveDirLock
-from megatron_rembert.checkpoint.step_folder import (
-    StepFolder,
-    find_latest,
-    roll_back,
-    unexpected_entries,
-)
-from megatron_rembert.config import ConfigError, check_choice
-from megatron_rembert.data.loader import build_pretraining_loader, build_validation_set
-from megatron_rembert.data.shards import ShardDataset
-from megatron_rembert.deepspeed_env import routine_lines_dropped, shm_op_build_note
+from megatron_rembert.checkpoint import resume
+from megatron_rembert.data.loader import build_pretraining_loader
 from megatron_rembert.errors import RunError
-from megatron_rembert.fs import sha256_file
 from megatron_rembert.launch_env import launch_env
 from megatron_rembert.model.cost import model_flops
-from megatron_rembert.parallel import comm, state
 from megatron_rembert.parallel import random as tp_random
-from megatron_rembert.parallel.layout import Layout
-from megatron_rembert.run_config import CHOICES, Config
+from megatron_rembert.parallel import state
+from megatron_rembert.run_config import Config
 from megatron_rembert.training import checkpoint as ckpt
+from megatron_rembert.training.distributed import setup_distributed
 from megatron_rembert.training.divergence import DivergenceCheck, DivergenceError, stop_message
 from megatron_rembert.training.hang import POSITION, Watchdog, describe, is_collective_failure
+from megatron_rembert.training.inputs import check_inputs
 from megatron_rembert.training.metrics import (
     MetricsLogger,
     RunAverage,
@@ -42,173 +31,16 @@ from megatron_rembert.training.metrics import (
     memory_gib,
     peak_flops,
 )
-from megatron_rembert.training.optim import lr_lambda
 from megatron_rembert.training.plan import RunPlan
+from megatron_rembert.training.save_dir import find_resume, run_meta, save_dir_locked
 from megatron_rembert.training.signals import PROCESS_START, StopFlag
 from megatron_rembert.training.startup import STARTUP
+from megatron_rembert.training.validation import evaluate
 
 
 class TrainingError(RunError):
     """The run cannot go on (a peer died or froze, the losses stopped being finite): one
     `error:` line naming this rank's position, exit 1 (cli.run_cli)."""
-
-
-def setup_distributed(timeout_minutes: float = 10.0, backend: str = "auto"
-                      ) -> tuple[int, int, torch.device]:
-    """Initialise torch.distributed from torchrun's environment (or a single process), with
-    `timeout_minutes` for every process group, ours and DeepSpeed's; collectives run on the
-    training device (parallel.comm). Ranks beyond the node's GPU count share GPUs, which only
-    gloo allows (`backend`: auto = nccl on GPUs, gloo on CPUs)."""
-    import deepspeed
-
-    check_choice("parallel.backend", backend, CHOICES["parallel.backend"])  # before the plan
-    cuda = torch.cuda.is_available()
-    local_rank = launch_env().local_rank  # the launcher's variables, checked
-    device = (torch.device("cuda", local_rank % torch.cuda.device_count()) if cuda
-              else torch.device("cpu"))
-    if cuda:
-        torch.cuda.set_device(device)
-        # DeepSpeed takes LOCAL_RANK as the GPU index (engine, pipeline module): where ranks
-        # share GPUs, it must name the GPU this rank uses.
-        os.environ["LOCAL_RANK"] = str(device.index)
-    if backend == "auto":
-        backend = "nccl" if cuda else "gloo"
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29500")
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    timeout = comm.set_default_timeout(timeout_minutes)
-    if not dist.is_initialized():
-        # Our own init, which DeepSpeed's then leaves alone: DeepSpeed binds every rank to
-        # cuda:LOCAL_RANK, which does not exist where ranks share GPUs. NCCL ranks are bound
-        # to their GPU (eager communicator setup); gloo ranks to none.
-        world = int(os.environ["WORLD_SIZE"])
-        bind = cuda and backend == "nccl" and world > 1
-        dist.init_process_group(backend, timeout=timeout, rank=int(os.environ["RANK"]),
-                                world_size=world, device_id=device if bind else None)
-    if device.type == "cpu" and dist.get_rank() == 0 and (note := shm_op_build_note()):
-        print(note, flush=True)
-    with routine_lines_dropped():  # DeepSpeed's "built successfully" line, every start
-        deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
-    comm.set_device(device)
-    return dist.get_rank(), dist.get_world_size(), device
-
-
-def check_inputs(config: Config, world_size: int, device: torch.device, rank: int = 0,
-                 plan: RunPlan | None = None) -> tuple[RunPlan, str | None]:
-    """Every cheap check before heavy work: the run plan (config, layout, stage split), data
-    folder, tokenizer, vocabulary (the one place the model's vocabulary is compared with the
-    dataset's). Returns this rank's run plan (`plan` as given, else built here once) and the
-    tokenizer's sha256."""
-    if plan is None:
-        plan = RunPlan.build(config, world_size, rank)
-    elif (plan.layout.world_size, plan.layout.rank) != (world_size, rank):
-        raise RuntimeError(f"the run plan is of rank {plan.layout.rank} of "
-                           f"{plan.layout.world_size}, this process is rank {rank} of "
-                           f"{world_size}")
-    if plan.layout.pp > 1:
-        if device.type == "cuda" and config.parallel.backend == "gloo":
-            raise ConfigError("parallel.backend=gloo with parallel.pp>1 on GPUs: gloo's "
-                              "send/recv between pipeline stages take CPU tensors only (a "
-                              "CUDA tensor aborts the process); use parallel.backend=nccl "
-                              "(auto), one rank per GPU")
-    if config.train.precision == "fp16" and device.type != "cuda":
-        from deepspeed.accelerator import get_accelerator
-
-        if not get_accelerator().is_fp16_supported():
-            raise ConfigError("train.precision=fp16 needs a GPU: DeepSpeed allows fp16 on a CPU "
-                              "only with oneDNN fp16 support, which this CPU lacks; use bf16 "
-                              "or fp32")
-    data = config.data
-    if not data.path:
-        raise ConfigError("data.path is not set: point it at a folder made by "
-                          "data_tools/preprocess.py (--set data.path=DIR)")
-    if not Path(data.path, "manifest.json").is_file():
-        raise ConfigError(f"data.path={data.path}: no manifest.json there; make the dataset "
-                          "with data_tools/preprocess.py")
-    sha = None
-    if data.tokenizer:
-        if not Path(data.tokenizer).is_file():
-            raise ConfigError(f"data.tokenizer={data.tokenizer}: no such file")
-        sha = sha256_file(data.tokenizer)
-    # Starts hashing the shards in a background thread while the model is built (the loader
-    # waits for the checks of the shards each batch reads).
-    dataset = ShardDataset(data.path, "train", tokenizer_sha256=sha, seq_length=data.seq_length,
-                           verify_in_background=True)
-    if data.whole_word_mask:
-        dataset.word_starts()  # read (and checked) now, not after the model is built
-    unknown = sorted(set(data.language_start) - set(dataset.languages))
-    if unknown:
-        raise ConfigError(f"data.language_start names {unknown}, which data.path={data.path} "
-                          f"does not have (its languages: {', '.join(dataset.languages)})")
-    if data.language_start and all(data.language_start.get(lang, 0.0) > 0
-                                   for lang in dataset.languages
-                                   if dataset.rows_per_language[lang]):
-        raise ConfigError("data.language_start: every language enters late; at least one "
-                          "must be sampled from the start (leave it out, or give 0.0)")
-    larger = data.allow_larger_vocab and dataset.vocab_size < config.model.vocab_size
-    if dataset.vocab_size != config.model.vocab_size and not larger:
-        hint = (" (data.allow_larger_vocab=true accepts a model vocabulary larger than the "
-                "dataset's)" if dataset.vocab_size < config.model.vocab_size else "")
-        raise ConfigError(
-            f"data.path={data.path} was made with a tokenizer of {dataset.vocab_size} pieces, "
-            f"model.vocab_size={config.model.vocab_size}; set model.vocab_size="
-            f"{dataset.vocab_size} or use the matching dataset{hint}")
-    return plan, sha
-
-
-def _meta(config: Config, sha: str | None, plan: RunPlan) -> dict:
-    """What every checkpoint of this run records beside its step. `config`: the settings as
-    given (parallel.* included, to reproduce the run); `layout` and `stage_boundaries`: what
-    the run resolved them to (how the files are cut: what a resume and the readers compare)."""
-    return {"config": config.to_dict(), "tokenizer_sha256": sha,
-            "dataset_sha256": sha256_file(Path(config.data.path, "manifest.json")),
-            "layout": plan.layout.sizes(), "stage_boundaries": plan.stage_boundaries}
-
-
-@contextmanager
-def _save_dir_locked(config: Config) -> Iterator[None]:
-    """Rank 0 locks train.save_dir (which also proves it writable) before any heavy work;
-    every rank learns whether that worked."""
-    lock = SaveDirLock(config.train.save_dir)
-    with comm.agree_or_raise(CheckpointError, lambda error, ranks: error or CheckpointError(
-            f"train.save_dir={config.train.save_dir}: rank 0 could not lock it (its error says "
-            "why)")):
-        if comm.rank() == 0:
-            lock.acquire()
-    try:
-        yield
-    finally:
-        lock.release()
-
-
-def _find_resume(config: Config, meta_now: dict, layout: Layout
-                 ) -> tuple[StepFolder | None, str]:
-    """The checkpoint to resume from (after a roll-back to train.resume_from) and how it loads
-    at this run's layout (checkpoint.resume.check_resume), checked before the model is built."""
-    save_dir = Path(config.train.save_dir)
-    if config.train.resume_from:
-        if comm.rank() == 0:
-            moved = roll_back(save_dir, Path(config.train.resume_from))
-            if moved is None:
-                print(f"train.resume_from={config.train.resume_from}: rolled back before; "
-                      "resuming from 'latest'", flush=True)
-            elif moved:
-                print(f"rolled back to {config.train.resume_from}: moved "
-                      f"{', '.join(p.name for p in moved)} into {moved[0].parent}", flush=True)
-        comm.barrier()
-    if comm.rank() == 0 and (stray := unexpected_entries(save_dir)):
-        print(f"{save_dir}: ignored, not checkpoints of this run: {', '.join(stray)}",
-              flush=True)  # once, at start-up; saving and pruning leave them alone
-    latest = find_latest(save_dir)
-    if latest is None:
-        return None, "same"
-    how, notices = resume.check_resume(latest, config, meta_now, layout, lr_lambda)
-    if comm.rank() == 0:  # another global batch size, LR schedule or stage split: said once
-        for notice in notices:
-            print(notice, flush=True)
-    return latest, how
 
 
 def train(config: Config, stop: StopFlag | None = None, plan: RunPlan | None = None) -> dict:
@@ -240,7 +72,7 @@ def train(config: Config, stop: StopFlag | None = None, plan: RunPlan | None = N
                       "new to save; exiting", flush=True)
             return {"step": None, "last_saved": None, "last": {}, "stopped": True,
                     "save_dir": config.train.save_dir, "log_dir": config.train.log_dir}
-        with _save_dir_locked(config):
+        with save_dir_locked(config):
             return _train(config, rank, world, device, stop, plan)
     except Exception as err:
         if is_collective_failure(err):
@@ -262,8 +94,8 @@ def _train(config: Config, rank: int, world: int, device: torch.device, stop: St
     POSITION.set(step=0, phase="start-up")
     plan, sha = check_inputs(config, world, device, rank, plan)
     layout = plan.layout
-    meta = _meta(config, sha, plan)
-    resume_folder, how = _find_resume(config, meta, layout)
+    meta = run_meta(config, sha, plan)
+    resume_folder, how = find_resume(config, meta, layout)
     STARTUP.mark("data checks")
     state.initialize_model_parallel(layout)
     log = MetricsLogger(config.train.log_dir, enabled=rank == 0, run_config=config.to_dict(),
@@ -365,61 +197,3 @@ def _train(config: Config, rank: int, world: int, device: torch.device, stop: St
     return {"step": step, "last_saved": last_saved, "last": last, "stopped": stop.stopping,
             "time_limit_reached": stop.time_limit_reached, "average": average.values(),
             "save_dir": train_cfg.save_dir, "log_dir": train_cfg.log_dir}
-
-
-def evaluate(trainer, config: Config, plan: RunPlan, sha: str | None, step: int,
-             log: MetricsLogger) -> None:
-    """Loss and accuracy on the fixed validation set, per language and overall: token-weighted
-    (all masked tokens together) and language-averaged (the mean of the languages' numbers).
-    Each language is evaluated in whole global batches (padding rows carry no weight). With
-    eval.retrieval_path, each language's retrieval accuracy@1 to and from English joins its
-    numbers in the same row (training/retrieval.py)."""
-    from megatron_rembert.training.retrieval import add_retrieval, pooled_layer, retrieval_accuracy
-
-    layout = plan.layout
-    per_language = min(config.eval.sequences_per_language,
-                       config.train.eval_batches * layout.global_batch_size)
-    valid = build_validation_set(config.data, layout, plan.data, seed=config.train.seed,
-                                 per_language=per_language, tokenizer_sha256=sha)
-    languages = {}
-    for index, lang in enumerate(valid.languages):
-        batches = valid.batches(index)
-        if not batches:
-            continue
-        loss, acc, tokens = trainer.eval_step(batches)
-        languages[lang] = {"loss": loss, "mlm_acc": acc, "masked_tokens": tokens}
-    retrieval = {}
-    if config.eval.retrieval_path:
-        POSITION.set(phase="retrieval")
-        retrieval = retrieval_accuracy(trainer, config)
-    if not languages and not retrieval:
-        log.console("validation split is empty: nothing to evaluate")
-        return
-    overall = combine_languages(languages) if languages else {}
-    if retrieval:
-        add_retrieval(overall, retrieval)
-    log.log(step, overall, prefix="valid")
-    if languages:
-        log.console(f"step {step:>7} | validation loss {overall['loss']:.4f} | acc "
-                    f"{overall['mlm_acc']:.3f} | language average loss "
-                    f"{overall['loss_lang_avg']:.4f} acc {overall['mlm_acc_lang_avg']:.3f}")
-    if retrieval:
-        log.console(f"step {step:>7} | retrieval acc@1 to en {overall['retrieval_to_en']:.3f}"
-                    f" from en {overall['retrieval_from_en']:.3f} (chance "
-                    f"{overall['retrieval_chance']:.3f}; {len(retrieval)} languages, layer "
-                    f"{pooled_layer(config)})")
-
-
-def combine_languages(languages: dict[str, dict]) -> dict:
-    """Overall validation numbers from the per-language ones (kept under "languages")."""
-    tokens = sum(v["masked_tokens"] for v in languages.values())
-    n = len(languages)
-    return {
-        "loss": sum(v["loss"] * v["masked_tokens"] for v in languages.values()) / max(tokens, 1),
-        "mlm_acc": sum(v["mlm_acc"] * v["masked_tokens"]
-                       for v in languages.values()) / max(tokens, 1),
-        "masked_tokens": tokens,
-        "loss_lang_avg": sum(v["loss"] for v in languages.values()) / n,
-        "mlm_acc_lang_avg": sum(v["mlm_acc"] for v in languages.values()) / n,
-        "languages": languages,
-    }

@@ -8,7 +8,7 @@
                         (training.estimate.stage_plan; one stage at pp = 1)
       lr                the learning rate's warm-up, stable and decay stretches (training.optim)
 
-Each rank builds it once at start-up (`training.loop.check_inputs`) and hands it on: the
+Each rank builds it once at start-up (`training.inputs.check_inputs`) and hands it on: the
 loaders take `data`, the engine `layout`, `stages` and `lr`, the checkpoint metadata the
 layout and the split, `--dry-run` all of it. Nothing downstream derives these again.
 """

@@ -69,8 +69,8 @@ def _sync_worker(rank, world_size) -> list[str]:
     """The trainer's micro-batches (bf16 + zero1_bf16.json, gas 2) under sync_debug_mode
     "error", twice: the first step and one after the optimizer has stepped."""
     from megatron_rembert.parallel import state
+    from megatron_rembert.training.distributed import setup_distributed
     from megatron_rembert.training.engine import Trainer
-    from megatron_rembert.training.loop import setup_distributed
     from megatron_rembert.training.plan import RunPlan
 
     _, _, device = setup_distributed(5.0)

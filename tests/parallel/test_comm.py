@@ -15,7 +15,7 @@ import torch
 import megatron_rembert
 from megatron_rembert.parallel import comm
 from megatron_rembert.training import checkpoint as ckpt
-from megatron_rembert.training.loop import StopFlag
+from megatron_rembert.training.signals import StopFlag
 
 PACKAGE = Path(megatron_rembert.__file__).parent
 # Every collective and point-to-point call of torch.distributed (and deepspeed.comm).

@@ -24,7 +24,7 @@ from megatron_rembert.run_config import (
     config_help,
     load_config,
 )
-from megatron_rembert.training.loop import check_inputs
+from megatron_rembert.training.inputs import check_inputs
 from megatron_rembert.training.optim import deepspeed_config, lr_lambda
 from megatron_rembert.training.plan import RunPlan
 from tests.training.conftest import SEQ

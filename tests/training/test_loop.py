@@ -183,8 +183,8 @@ def test_resume_refuses_other_owner_and_data_then_continues_at_another_dp_and_ba
     50) and train.steps 6 -> 8 (the 1-sqrt decay reshaped), each said in a notice."""
     from megatron_rembert.checkpoint import CheckpointError
     from megatron_rembert.run_config import load_config
-    from megatron_rembert.training import loop
     from megatron_rembert.training.plan import RunPlan
+    from megatron_rembert.training.save_dir import find_resume, run_meta, save_dir_locked
 
     _, _, saved = uninterrupted
     shutil.copytree(saved, tmp_path / "ckpt")
@@ -194,7 +194,7 @@ def test_resume_refuses_other_owner_and_data_then_continues_at_another_dp_and_ba
     lock = tmp_path / "ckpt" / ".lock"
     lock.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
     with pytest.raises(CheckpointError, match=rf"is in use by pid {os.getpid()}"):
-        with loop._save_dir_locked(load_config("configs/tiny.yaml", sets)):
+        with save_dir_locked(load_config("configs/tiny.yaml", sets)):
             pass  # what train() does first
     lock.unlink()
     other = tmp_path / "other_data"
@@ -204,17 +204,17 @@ def test_resume_refuses_other_owner_and_data_then_continues_at_another_dp_and_ba
     config = load_config("configs/tiny.yaml", overrides(tmp_path, other, tokenizer))
     plan = RunPlan.build(config, 1)
     layout = plan.layout
-    meta = loop._meta(config, "0" * 64, plan)
+    meta = run_meta(config, "0" * 64, plan)
     with pytest.raises(CheckpointError, match=r"tokenizer_sha256 .*data.tokenizer="):
-        loop._find_resume(config, meta, layout)
+        find_resume(config, meta, layout)
     meta["tokenizer_sha256"] = json.loads(
         (tmp_path / "ckpt" / "step_00000006" / "meta.json").read_text())["tokenizer_sha256"]
     with pytest.raises(CheckpointError, match=rf"dataset_sha256 .*data.path={other}"):
-        loop._find_resume(config, meta, layout)
+        find_resume(config, meta, layout)
     config = load_config("configs/tiny.yaml", sets)
     layout = RunPlan.build(config, 1).layout
     meta = json.loads((tmp_path / "ckpt" / "step_00000006" / "meta.json").read_text())
-    folder, _ = loop._find_resume(config, {**meta, "config": config.to_dict()}, layout)
+    folder, _ = find_resume(config, {**meta, "config": config.to_dict()}, layout)
     notices = capsys.readouterr().out
     assert ("train.global_batch_size 8 -> 10; 48 samples consumed in 6 steps, 48 is not a "
             "multiple of 10: the data continues at sample 50, skipping 2 samples") in notices
@@ -232,8 +232,8 @@ def test_resume_refuses_other_owner_and_data_then_continues_at_another_dp_and_ba
 def test_resume_from_rolls_back_without_losing_newer(tmp_path, tiny_dataset, uninterrupted):
     """train.resume_from names an older folder: newer ones are moved aside, none deleted."""
     from megatron_rembert.run_config import load_config
-    from megatron_rembert.training import loop
     from megatron_rembert.training.plan import RunPlan
+    from megatron_rembert.training.save_dir import find_resume
 
     _, _, saved = uninterrupted
     save_dir = tmp_path / "ckpt"
@@ -242,8 +242,8 @@ def test_resume_from_rolls_back_without_losing_newer(tmp_path, tiny_dataset, uni
     shutil.copytree(saved, save_dir, dirs_exist_ok=True)
     config = load_config("configs/tiny.yaml", overrides(
         tmp_path, *tiny_dataset, **{"train.resume_from": save_dir / "step_00000003"}))
-    folder, how = loop._find_resume(config, meta,
-                                    RunPlan.build(config, meta["layout"]["dp"]).layout)
+    folder, how = find_resume(config, meta,
+                              RunPlan.build(config, meta["layout"]["dp"]).layout)
     assert folder.path.name == "step_00000003" and how == "same"
     assert (save_dir / "latest").read_text().strip() == "step_00000003"
     assert [p.name for p in save_dir.glob("rolled_back/*/step_*")] == ["step_00000006"]
