@@ -83,6 +83,7 @@ def meta_comm(monkeypatch):
     monkeypatch.setattr(comm, "_DEVICE", torch.device("meta"))
     monkeypatch.setattr(comm, "is_initialized", lambda: True)
     monkeypatch.setattr(comm, "rank", lambda: 0)
+    monkeypatch.setattr(comm, "group_size", lambda group=None: 2)
     monkeypatch.setattr(comm.dist, "all_reduce",
                         lambda t, op=None, group=None: seen.append(t.device))
     monkeypatch.setattr(comm, "to_host", lambda t: [0.0] * t.numel())
