@@ -6,6 +6,11 @@ NCCL process groups carry CUDA tensors only: a CPU scalar all-reduced on a GPU c
 tensor on another device is moved to the communication device (the training device, set once by
 the trainer) and back, and host numbers are reduced as one small tensor on that device.
 
+The data-parallel gradient path's collectives (parallel/grad_buffer.py,
+training/distributed_optimizer.py) come through `reduce_scatter` and `all_gather_into`, which may
+run asynchronously, and every tensor collective here is counted in `TRAFFIC`: the bytes each
+rank puts on the wire, per operation, in one place.
+
 Also here: `agree_or_raise`, the one way ranks agree that a step failed on some of them (a
 lock, a save, a manifest check); and the collective timeout, so that a missed collective fails
 within minutes with each rank's position instead of blocking for gloo's 10 or NCCL's 30
@@ -14,8 +19,10 @@ minutes.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -46,6 +53,93 @@ def world_size() -> int:
     return dist.get_world_size() if is_initialized() else 1
 
 
+def group_size(group=None) -> int:
+    """Ranks in `group` (default: every rank); 1 without a process group."""
+    return dist.get_world_size(group) if is_initialized() else 1
+
+
+def group_rank(group=None) -> int:
+    """This rank's position in `group` (default: every rank); 0 without a process group."""
+    return dist.get_rank(group) if is_initialized() else 0
+
+
+# Bytes each rank sends per byte of buffer, ring algorithms (a bandwidth-only model, as
+# training/communication.py's): an all-reduce is a reduce-scatter plus an all-gather.
+def _wire_factor(op: str, n: int) -> float:
+    return (2 if op == "all-reduce" else 1) * (n - 1) / n
+
+
+@dataclass
+class Traffic:
+    """What this rank's tensor collectives moved since `reset`, per operation ("all-reduce",
+    "reduce-scatter", "all-gather"): calls, buffer bytes (the reduced buffer, the whole
+    gathered tensor) and bytes on the wire (what a ring sends from this rank)."""
+
+    calls: Counter = field(default_factory=Counter)
+    buffer_bytes: Counter = field(default_factory=Counter)
+    wire_bytes: Counter = field(default_factory=Counter)
+
+    def count(self, op: str, tensor: torch.Tensor, group) -> None:
+        n = group_size(group)
+        size = tensor.numel() * tensor.element_size()
+        self.calls[op] += 1
+        self.buffer_bytes[op] += size
+        self.wire_bytes[op] += size * _wire_factor(op, n)
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.buffer_bytes.clear()
+        self.wire_bytes.clear()
+
+
+TRAFFIC = Traffic()
+
+
+def _on_device(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if t.device != _DEVICE:
+            raise ValueError(f"a {t.device} tensor for a collective on {_DEVICE}: buffers of "
+                             "the gradient path live on the communication device")
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None,
+                   async_op: bool = False):
+    """Sum `input` over `group`; this rank's 1/n of the sum (its position in the group) lands
+    in `output`, which may be that slice of `input` itself. Returns the work handle
+    (`.wait()`) when `async_op`, else None. Both tensors on the communication device."""
+    if not is_initialized():
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input)
+        return _Done() if async_op else None
+    _on_device(output, input)
+    TRAFFIC.count("reduce-scatter", input, group)
+    # torch >= 2.10 names it reduce_scatter_single (reduce_scatter_tensor warns, deprecated)
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return scatter(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def all_gather_into(output: torch.Tensor, input: torch.Tensor, group=None,
+                    async_op: bool = False):
+    """Every rank's `input` concatenated in group order into `output` (n x input's elements;
+    `input` may be this rank's slice of `output`). Returns the work handle when `async_op`."""
+    if not is_initialized():
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input)
+        return _Done() if async_op else None
+    _on_device(output, input)
+    TRAFFIC.count("all-gather", output, group)
+    # torch >= 2.10 names it all_gather_single (all_gather_into_tensor warns, deprecated)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, input, group=group, async_op=async_op)
+
+
+class _Done:
+    """The handle of a collective that had nothing to do (one process)."""
+
+    def wait(self) -> bool:
+        return True
+
+
 def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
                group=None) -> torch.Tensor:
     """All-reduce `tensor` in place over `group` (default: every rank) and return it.
@@ -56,6 +150,7 @@ def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
     if not is_initialized():
         return tensor
     work = tensor if tensor.device == _DEVICE else tensor.to(_DEVICE)
+    TRAFFIC.count("all-reduce", work, group)
     dist.all_reduce(work, op=op, group=group)
     if work is not tensor:
         tensor.copy_(work)

@@ -20,10 +20,11 @@ from megatron_rembert.training.signals import StopFlag
 PACKAGE = Path(megatron_rembert.__file__).parent
 # Every collective and point-to-point call of torch.distributed (and deepspeed.comm).
 COLLECTIVES = {
-    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all",
-    "all_to_all_single", "barrier", "monitored_barrier", "batch_isend_irecv", "broadcast",
-    "broadcast_object_list", "gather", "gather_object", "irecv", "isend", "recv", "reduce",
-    "reduce_scatter", "reduce_scatter_tensor", "scatter", "scatter_object_list", "send",
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
+    "all_gather_object", "all_to_all", "all_to_all_single", "barrier", "monitored_barrier",
+    "batch_isend_irecv", "broadcast", "broadcast_object_list", "gather", "gather_object",
+    "irecv", "isend", "recv", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+    "reduce_scatter_single", "scatter", "scatter_object_list", "send",
 }
 DIST_MODULES = {"torch.distributed", "deepspeed.comm"}
 
@@ -82,6 +83,7 @@ def meta_comm(monkeypatch):
     monkeypatch.setattr(comm, "_DEVICE", torch.device("meta"))
     monkeypatch.setattr(comm, "is_initialized", lambda: True)
     monkeypatch.setattr(comm, "rank", lambda: 0)
+    monkeypatch.setattr(comm, "group_size", lambda group=None: 2)
     monkeypatch.setattr(comm.dist, "all_reduce",
                         lambda t, op=None, group=None: seen.append(t.device))
     monkeypatch.setattr(comm, "to_host", lambda t: [0.0] * t.numel())

@@ -1,0 +1,266 @@
+"""fp32 main gradients in contiguous buffers, reduce-scattered over data parallelism in buckets
+while backward is still running.
+
+Layout (one buffer pair per parameter dtype, in the order the dtypes first appear):
+- the parameters in reverse registration order (backward produces the last layers' gradients
+  first), each starting at a multiple of `ALIGN` elements;
+- cut into buckets of at least `bucket_elements` elements (a parameter is never split), each
+  padded to a multiple of dp x `ALIGN`, so that it splits into dp equal shards: DP rank r owns
+  shard r of every bucket (training/distributed_optimizer.py steps it);
+- an fp32 gradient buffer, each parameter's `main_grad` a view of it, and a weight buffer of the
+  parameter's dtype, each parameter's `.data` a view of it (the optimizer's all-gather writes
+  the stepped weights straight into the parameters).
+
+Accumulation: the kernels that can add in fp32 themselves (kernels/embedding.py, the fused
+MLM loss of kernels/cross_entropy.py) add into `param.main_grad` when it exists and hand
+autograd no gradient; for every other parameter a post-accumulate-grad hook (torch's public
+`register_post_accumulate_grad_hook`) adds `param.grad` into `main_grad` and frees it. Autograd
+runs the hook for the kernels' parameters too (with `grad` None), after their backward.
+
+Reduction: `last_micro_batch()` before the step's last backward arms it. From then on a
+parameter is ready when its hook has run (or `mark_ready(param)` was called, for a gradient
+added outside autograd), and a bucket whose parameters are all ready starts its reduce-scatter
+at once, asynchronously, while backward goes on with earlier layers. Buckets start in index
+order on every rank (a bucket completed early waits for the ones before it), so the ranks issue
+the same collectives in the same order whatever order their hooks ran in. A parameter that got
+no gradient in the whole previous step (one that takes no part in the model's forward) counts
+as ready from the start, so that it holds back no bucket; should it get a gradient after its
+bucket started, the step fails naming it (that gradient would be lost). `finish()` starts what
+is left (in the first step: the buckets of unused parameters and all after them) and waits;
+afterwards shard r of each bucket holds the sum (or mean) over the DP ranks. The rest of a
+bucket is not reduced; `zero()` clears everything for the next step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_rembert.parallel import comm
+
+ALIGN = 64  # elements: where each parameter starts, and the unit of a bucket's padding
+DEFAULT_BUCKET_ELEMENTS = 40_000_000  # Megatron-Core's default bucket size
+REDUCE_OPS = ("sum", "mean")
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclass
+class Bucket:
+    """A contiguous range [start, end) of one dtype group's buffers."""
+
+    index: int  # position in GradBuffer.buckets (the order reduce-scatters start in)
+    params: list[torch.nn.Parameter]
+    start: int
+    end: int  # padded: (end - start) is a multiple of dp x ALIGN
+    grads: torch.Tensor  # fp32 view of the group's gradient buffer
+    weights: torch.Tensor  # view of the group's weight buffer (the parameters' dtype)
+    ready: set[int] = field(default_factory=set)  # ids of the parameters ready this step
+    handle: object = None  # the reduce-scatter in flight
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+    def shard_range(self, rank: int, dp: int) -> tuple[int, int]:
+        """Elements [lo, hi) of the bucket (relative to its start) that DP rank `rank` owns."""
+        size = self.numel // dp
+        return rank * size, (rank + 1) * size
+
+    @property
+    def complete(self) -> bool:
+        return len(self.ready) == len(self.params)
+
+
+@dataclass
+class DtypeGroup:
+    dtype: torch.dtype
+    grads: torch.Tensor  # fp32, every bucket of this dtype, padding included
+    weights: torch.Tensor  # the parameters' dtype, same layout
+    buckets: list[Bucket]
+
+
+class GradBuffer:
+    """Gradient buffers of `params` (those that require a gradient), reduced over `dp_group`
+    (default: the parallel state's DP group; None without one: every rank of the world).
+
+    reduce: "sum" (the loss is scaled for the global batch already) or "mean" (the DP
+    ranks' gradients are averaged)."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], dp_group=None,
+                 bucket_elements: int = DEFAULT_BUCKET_ELEMENTS, reduce: str = "sum"):
+        if reduce not in REDUCE_OPS:
+            raise ValueError(f"reduce={reduce!r}: one of {', '.join(REDUCE_OPS)}")
+        if bucket_elements < 1:
+            raise ValueError(f"bucket_elements={bucket_elements}: must be >= 1")
+        if dp_group is None:
+            from megatron_rembert.parallel import state
+
+            dp_group = state.get_state().dp_group
+        self.dp_group, self.reduce = dp_group, reduce
+        self.dp = comm.group_size(dp_group)
+        self.dp_rank = comm.group_rank(dp_group)
+        self.bucket_elements = bucket_elements
+        unique: dict[int, torch.nn.Parameter] = {}
+        for p in params:
+            if p.requires_grad:
+                unique.setdefault(id(p), p)
+        if not unique:
+            raise ValueError("GradBuffer: no parameter requires a gradient")
+        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+        for p in unique.values():
+            by_dtype.setdefault(p.dtype, []).append(p)
+        self.groups: list[DtypeGroup] = []
+        self.buckets: list[Bucket] = []
+        self.ranges: dict[int, tuple[DtypeGroup, Bucket, int]] = {}  # id -> where it starts
+        for dtype, group_params in by_dtype.items():
+            self.groups.append(self._lay_out(dtype, group_params[::-1]))
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
+                       for p in unique.values()]
+        self._armed = False
+        self._next = 0  # the next bucket to start
+        self._used: set[int] = set()  # parameters whose hook ran in this step
+        self._unused: set[int] = set()  # parameters that got no gradient in the previous step
+        self._names = {id(p): f"parameter {i} ({tuple(p.shape)})"
+                       for i, p in enumerate(unique.values())}
+        self.started_in_finish = 0  # buckets of the last step started by finish(), not backward
+
+    # -- layout ------------------------------------------------------------------------------
+    def _lay_out(self, dtype: torch.dtype, params: list[torch.nn.Parameter]) -> DtypeGroup:
+        spans: list[tuple[list[torch.nn.Parameter], int, int]] = []
+        offsets: dict[int, int] = {}
+        members: list[torch.nn.Parameter] = []
+        bucket_start = offset = 0
+        for i, p in enumerate(params):
+            offset = _round_up(offset, ALIGN)
+            offsets[id(p)] = offset
+            offset += p.numel()
+            members.append(p)
+            if offset - bucket_start >= self.bucket_elements or i == len(params) - 1:
+                end = bucket_start + _round_up(offset - bucket_start, self.dp * ALIGN)
+                spans.append((members, bucket_start, end))
+                members, bucket_start, offset = [], end, end
+        total = spans[-1][2]
+        device = params[0].device
+        grads = torch.zeros(total, dtype=torch.float32, device=device)
+        weights = torch.zeros(total, dtype=dtype, device=device)
+        group = DtypeGroup(dtype, grads, weights, [])
+        for members, start, end in spans:
+            bucket = Bucket(len(self.buckets), members, start, end, grads[start:end],
+                            weights[start:end])
+            group.buckets.append(bucket)
+            self.buckets.append(bucket)
+            for p in members:
+                lo = offsets[id(p)]
+                view = weights[lo:lo + p.numel()].view(p.shape)
+                view.copy_(p.detach())
+                p.data = view
+                p.main_grad = grads[lo:lo + p.numel()].view(p.shape)
+                self.ranges[id(p)] = (group, bucket, lo)
+        return group
+
+    def params(self) -> list[torch.nn.Parameter]:
+        """Every parameter, in buffer order."""
+        return [p for b in self.buckets for p in b.params]
+
+    def offset(self, param: torch.nn.Parameter) -> tuple[Bucket, int]:
+        """`param`'s bucket and where it starts in that bucket (elements)."""
+        _, bucket, lo = self.ranges[id(param)]
+        return bucket, lo - bucket.start
+
+    # -- accumulation and reduction ------------------------------------------------------------
+    def name(self, param: torch.nn.Parameter, name: str) -> None:
+        """How errors call `param` (its name in the model)."""
+        self._names[id(param)] = name
+
+    def _on_grad(self, param: torch.nn.Parameter) -> None:
+        self._used.add(id(param))
+        if self._armed and id(param) in self._unused:
+            _, bucket, _ = self.ranges[id(param)]
+            if bucket.index < self._next:
+                raise RuntimeError(
+                    f"{self._names[id(param)]} got a gradient in the last micro-batch after "
+                    "its bucket's reduce-scatter started: it had none in the previous step. "
+                    "Set requires_grad=False on parameters the model does not always use")
+        if param.grad is not None:  # None: a kernel added into main_grad itself
+            param.main_grad.add_(param.grad)
+            param.grad = None
+        if self._armed:
+            self.mark_ready(param)
+
+    def last_micro_batch(self) -> None:
+        """The next backward is the step's last: each bucket's reduce-scatter starts as soon as
+        its gradients are complete."""
+        for b in self.buckets:
+            b.ready.clear()
+        self._next = 0
+        self._armed = True
+        for b in self.buckets:
+            b.ready.update(i for i in self._unused if self.ranges[i][1] is b)
+        self._advance()
+
+    def mark_ready(self, param: torch.nn.Parameter) -> None:
+        """`param`'s gradient of the last micro-batch is complete (for gradients added outside
+        autograd; autograd's are marked by the hook). Outside the last micro-batch: nothing."""
+        if not self._armed:
+            return
+        _, bucket, _ = self.ranges[id(param)]
+        bucket.ready.add(id(param))
+        self._advance()
+
+    def _advance(self) -> None:
+        while self._next < len(self.buckets) and self.buckets[self._next].complete:
+            self._start(self.buckets[self._next])
+            self._next += 1
+
+    def _start(self, bucket: Bucket) -> None:
+        if self.dp == 1:
+            return
+        lo, hi = bucket.shard_range(self.dp_rank, self.dp)
+        bucket.handle = comm.reduce_scatter(bucket.grads[lo:hi], bucket.grads, self.dp_group,
+                                            async_op=True)
+
+    def finish(self) -> None:
+        """Start what has not started, in order, and wait for every bucket: this rank's
+        shards hold the reduced gradients."""
+        start = self._next if self._armed else 0
+        self.started_in_finish = len(self.buckets) - start
+        for b in self.buckets[start:]:
+            self._start(b)
+        self._armed = False
+        self._next = len(self.buckets)
+        self._unused = set(self.ranges) - self._used
+        self._used.clear()
+        for b in self.buckets:
+            if b.handle is not None:
+                b.handle.wait()
+                b.handle = None
+            if self.reduce == "mean" and self.dp > 1:
+                lo, hi = b.shard_range(self.dp_rank, self.dp)
+                b.grads[lo:hi].div_(self.dp)
+
+    def shard(self, bucket: Bucket, grads: bool = True) -> torch.Tensor:
+        """This rank's shard of `bucket`'s gradients (or weights)."""
+        lo, hi = bucket.shard_range(self.dp_rank, self.dp)
+        return (bucket.grads if grads else bucket.weights)[lo:hi]
+
+    def zero(self) -> None:
+        """Clear the gradients for the next step."""
+        for g in self.groups:
+            g.grads.zero_()
+        for p in self.params():
+            p.grad = None
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    @property
+    def padding(self) -> int:
+        """Elements of the buffers that belong to no parameter (alignment, bucket padding)."""
+        return sum(g.grads.numel() for g in self.groups) - sum(p.numel() for p in self.params())
