@@ -45,6 +45,7 @@ class Lamb(torch.optim.Optimizer):
         self.tp_group = tp_group
         self._wrapper = None
         self._fragments: dict[int, _Fragments] = {}
+        self._given: dict[int, _Fragments] = {}
 
     def use_flat_partitions(self, wrapper) -> None:
         """DeepSpeed wrapped this optimizer in a partitioning one (ZeRO 1/2, BF16_Optimizer):
@@ -55,6 +56,28 @@ class Lamb(torch.optim.Optimizer):
                             "wrapper whose partitions Lamb can map to parameters")
         self._wrapper = wrapper
         self._fragments.clear()
+
+    def use_fragments(self, groups: list[tuple[list[int], list[bool]]], dp_group) -> None:
+        """group["params"] are fragments of whole parameters spread over the ranks of
+        `dp_group` (training/distributed_optimizer.py): per parameter group, the index of the
+        whole parameter each tensor is part of, and per whole parameter of the group (on every
+        rank the same list, a rank holding no fragment of it included) whether it is split
+        across the TP group. Every rank then steps every group, even one it holds nothing of:
+        the trust ratios' sums are collectives."""
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"Lamb.use_fragments: {len(groups)} groups for "
+                             f"{len(self.param_groups)} parameter groups")
+        self._given = {}
+        for index, ((ids, sharded), group) in enumerate(zip(groups, self.param_groups,
+                                                             strict=True)):
+            params = group["params"]
+            if len(ids) != len(params):
+                raise ValueError(f"Lamb.use_fragments: group {index} has {len(params)} "
+                                 f"tensors, {len(ids)} parameter indices")
+            self._given[index] = _Fragments(
+                tensors=list(range(len(params))), starts=[0] * len(params),
+                sizes=[p.numel() for p in params], ids=torch.tensor(ids, dtype=torch.long),
+                sharded=torch.tensor(sharded, dtype=torch.bool), dp_group=dp_group)
 
     # -- where the parameters are ------------------------------------------------------------
     def _plain_fragments(self, params: list[torch.Tensor]) -> _Fragments:
@@ -95,6 +118,8 @@ class Lamb(torch.optim.Optimizer):
         return fragments
 
     def _group_fragments(self, index: int, group: dict) -> _Fragments:
+        if index in self._given:
+            return self._given[index]
         params = group["params"]
         key = tuple((p.data_ptr(), p.numel()) for p in params)
         cached = self._fragments.get(index)
@@ -142,6 +167,9 @@ class Lamb(torch.optim.Optimizer):
         for index, group in enumerate(self.param_groups):
             params = group["params"]
             if not params:
+                if index in self._given and group["weight_decay"]:
+                    # no fragment here, but the other ranks sum their norms with ours
+                    self._trust_ratios(self._given[index], [], [])
                 continue
             fragments = self._group_fragments(index, group)
             beta1, beta2 = group["betas"]

@@ -1,0 +1,251 @@
+"""A ZeRO-1 optimizer over parallel/grad_buffer.py's buckets: each DP rank steps its own shard.
+
+DP rank r owns shard r of every bucket of the gradient buffer. For each parameter it keeps the
+fragment that falls into its shards (a parameter may straddle two ranks' shards, or lie in one
+rank's only):
+- an fp32 master of that fragment: for fp32 parameters the fragment of the weight buffer itself
+  (no second copy), for bf16 ones an fp32 copy;
+- the inner optimizer's state of it: the inner optimizer (torch's AdamW, fused where the device
+  has the kernel, or training/lamb.py's LAMB) sees only the fragments, in the caller's
+  parameter groups;
+- its gradient: the fragment of the reduce-scattered fp32 gradient buffer (a view, no copy).
+
+A step (`step()`, after the last micro-batch's backward):
+1. waits for the buckets' reduce-scatters (`GradBuffer.finish`);
+2. the global gradient norm from the shards: squares summed over the DP group and the
+   model-parallel group, parameters replicated over TP counted on TP rank 0 only (the rule of
+   training/main_grads.py and DeepSpeed), read once on the host;
+3. a norm that is not finite skips the step on every rank alike (they all read the same
+   reduced norm): weights, masters and optimizer state stay, `skipped_steps` counts it, the
+   gradients are cleared;
+4. clipping to `clip_grad` (coefficient clip / (norm + 1e-6), DeepSpeed's) multiplies the
+   shards once; the inner optimizer steps the fragments;
+5. the masters are written into the training-dtype weight buffer's shard and each bucket's
+   weights all-gathered over DP (asynchronously, all buckets in flight, then waited for);
+6. the gradient buffers are zeroed.
+
+LAMB's trust ratio is that of the whole parameter: the fragments' squared norms of weight and
+update are summed over the DP group (and the TP group for TP-split parameters) before the
+ratio (`Lamb.use_fragments`).
+
+`state_dict()` is this rank's (its masters and the inner optimizer's state of its fragments);
+`load_state_dict` takes one from the same layout (DP size and rank, buckets) and refreshes the
+weights on every rank (a collective). `full_tensors()` (a collective) gathers whole fp32
+weights and optimizer states per parameter, for conversion and checks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from megatron_rembert.parallel import comm, state
+from megatron_rembert.parallel.grad_buffer import Bucket, GradBuffer
+from megatron_rembert.parallel.layers import is_tp_sharded
+from megatron_rembert.training.lamb import Lamb
+
+CLIP_EPS = 1e-6  # as DeepSpeed's clip_tensors_by_global_norm
+
+
+@dataclass
+class Fragment:
+    """The part of `param` that lies in this rank's shard of `bucket`."""
+
+    param: torch.nn.Parameter
+    bucket: Bucket
+    param_start: int  # first element of the fragment in the flattened parameter
+    shard_start: int  # ... and in this rank's shard of the bucket
+    numel: int
+    master: torch.Tensor  # fp32, 1-d
+    grad: torch.Tensor  # fp32, 1-d view of the gradient buffer
+    weight: torch.Tensor  # 1-d view of the weight buffer (the parameter's dtype)
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """`param_groups`: torch's parameter groups of the model's parameters (every parameter of
+    `buffer`, each once), with their options. `make_optimizer(groups)` builds the inner
+    optimizer over the given groups of fragments, e.g.
+    `lambda g: torch.optim.AdamW(g, lr=1e-3, fused=True)` or `lambda g: Lamb(g, lr=1e-3)`.
+    `clip_grad`: the global norm to clip to (0: no clipping). `model_group`: the ranks of one
+    model replica (TP x PP) whose norms add up (default: the parallel state's)."""
+
+    def __init__(self, buffer: GradBuffer, param_groups: list[dict],
+                 make_optimizer: Callable[[list[dict]], torch.optim.Optimizer],
+                 clip_grad: float = 0.0, model_group=None):
+        if clip_grad < 0 or not math.isfinite(clip_grad):
+            raise ValueError(f"clip_grad={clip_grad}: must be a finite number >= 0")
+        self.buffer, self.clip_grad = buffer, clip_grad
+        parallel = state.get_state()
+        self.model_group = model_group if model_group is not None else parallel.model_group
+        self.tp_rank = parallel.tp_rank
+        listed = [p for g in param_groups for p in g["params"]]
+        if len({id(p) for p in listed}) != len(listed) or \
+                {id(p) for p in listed} != {id(p) for p in buffer.params()}:
+            raise ValueError("DistributedOptimizer: the parameter groups must list every "
+                             "parameter of the gradient buffer exactly once")
+        self.model_groups = [list(g["params"]) for g in param_groups]
+        self.fragments: list[list[Fragment]] = [
+            [f for p in g["params"] if (f := self._fragment(p)) is not None]
+            for g in param_groups]
+        master_groups = [{**{k: v for k, v in g.items() if k != "params"},
+                          "params": [f.master for f in frags]}
+                         for g, frags in zip(param_groups, self.fragments, strict=True)]
+        super().__init__(master_groups, defaults={})
+        # The inner optimizer shares our group dicts: a scheduler's lr reaches it.
+        self.inner = make_optimizer(self.param_groups)
+        if [id(g) for g in self.inner.param_groups] != [id(g) for g in self.param_groups]:
+            raise ValueError("make_optimizer must build its optimizer over the groups given")
+        self.state = self.inner.state
+        if isinstance(self.inner, Lamb):
+            index = [{id(p): i for i, p in enumerate(ps)} for ps in self.model_groups]
+            self.inner.use_fragments(
+                [([index[k][id(f.param)] for f in frags], [is_tp_sharded(p) for p in ps])
+                 for k, (frags, ps) in enumerate(zip(self.fragments, self.model_groups,
+                                                     strict=True))],
+                buffer.dp_group if buffer.dp > 1 else None)
+        self.skipped_steps = 0
+        self.steps = 0
+        self.grad_norm: float | None = None  # of the last step (inf or nan when skipped)
+
+    def _fragment(self, param: torch.nn.Parameter) -> Fragment | None:
+        bucket, offset = self.buffer.offset(param)
+        lo, hi = bucket.shard_range(self.buffer.dp_rank, self.buffer.dp)
+        start, end = max(lo, offset), min(hi, offset + param.numel())
+        if start >= end:
+            return None
+        weight = bucket.weights[start:end]
+        master = weight if weight.dtype == torch.float32 else weight.float()
+        return Fragment(param, bucket, start - offset, start - lo, end - start, master,
+                        bucket.grads[start:end], weight)
+
+    def all_fragments(self) -> list[Fragment]:
+        return [f for frags in self.fragments for f in frags]
+
+    # -- the step ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def norm(self) -> torch.Tensor:
+        """The whole model's gradient norm from the reduced shards (fp32, 1 element)."""
+        squares = torch.zeros(1, dtype=torch.float32, device=comm.device())
+        counted = [f.grad for f in self.all_fragments()
+                   if self.tp_rank == 0 or is_tp_sharded(f.param)]
+        if counted:
+            squares += torch.stack(torch._foreach_norm(counted)).float().square().sum()
+        if self.buffer.dp > 1:
+            comm.all_reduce(squares, group=self.buffer.dp_group)
+        if self.model_group is not None:
+            comm.all_reduce(squares, group=self.model_group)
+        return squares.sqrt()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("DistributedOptimizer.step takes no closure")
+        self.buffer.finish()
+        norm = float(self.norm())  # the step's one host read
+        self.grad_norm = norm
+        if not math.isfinite(norm):  # every rank read the same norm: all skip
+            self.skipped_steps += 1
+            self.buffer.zero()
+            return None
+        if self.clip_grad > 0:
+            coef = self.clip_grad / (norm + CLIP_EPS)
+            if coef < 1:
+                for bucket in self.buffer.buckets:
+                    self.buffer.shard(bucket).mul_(coef)
+        for f in self.all_fragments():
+            f.master.grad = f.grad
+        self.inner.step()
+        for f in self.all_fragments():
+            f.master.grad = None
+        self._publish()
+        self.buffer.zero()
+        self.steps += 1
+        return None
+
+    def _publish(self) -> None:
+        """Masters -> this rank's weight shards -> every rank's weights."""
+        for f in self.all_fragments():
+            if f.master is not f.weight:
+                f.weight.copy_(f.master)
+        if self.buffer.dp == 1:
+            return
+        handles = [comm.all_gather_into(b.weights, self.buffer.shard(b, grads=False),
+                                        self.buffer.dp_group, async_op=True)
+                   for b in self.buffer.buckets]
+        for h in handles:
+            h.wait()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.buffer.zero()
+
+    # -- state -----------------------------------------------------------------------------------
+    def _layout(self) -> dict:
+        return {"dp": self.buffer.dp, "dp_rank": self.buffer.dp_rank,
+                "buckets": [[b.numel, [p.numel() for p in b.params]]
+                            for b in self.buffer.buckets]}
+
+    def state_dict(self) -> dict:
+        return {"layout": self._layout(), "inner": self.inner.state_dict(),
+                "masters": [f.master.detach().clone() for f in self.all_fragments()],
+                "steps": self.steps, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """This rank's state saved by `state_dict` at the same layout; every rank calls it (the
+        weights are gathered afresh)."""
+        if state_dict.get("layout") != self._layout():
+            raise ValueError("DistributedOptimizer.load_state_dict: saved at another layout "
+                             "(DP size, rank or buckets); gather it with full_tensors() and "
+                             "convert instead")
+        masters = state_dict["masters"]
+        frags = self.all_fragments()
+        for f, saved in zip(frags, masters, strict=True):
+            f.master.copy_(saved)
+        self.inner.load_state_dict(state_dict["inner"])
+        self.state = self.inner.state
+        self.steps, self.skipped_steps = state_dict["steps"], state_dict["skipped_steps"]
+        self._publish()
+
+    @torch.no_grad()
+    def full_tensors(self) -> dict:
+        """Every parameter's whole fp32 weight and optimizer state tensors (a collective):
+        {"weights": [...], "state": {name: [...]}, "steps": n}, lists in the order of the
+        parameter groups' parameters."""
+        frags = self.all_fragments()
+        keys = sorted({k for f in frags for k, v in self.inner.state.get(f.master, {}).items()
+                       if isinstance(v, torch.Tensor) and v.shape == f.master.shape})
+        keys = self._agreed_keys(keys)
+        out = {"weights": self._gather(lambda f: f.master)}
+        out["state"] = {k: self._gather(lambda f, k=k: self.inner.state[f.master][k])
+                        for k in keys}
+        out["steps"] = self.steps
+        return out
+
+    def _agreed_keys(self, keys: list[str]) -> list[str]:
+        """The state names some rank has (a rank without fragments has none)."""
+        names = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+        have = [float(k in keys) for k in names]
+        if self.buffer.dp > 1:
+            have = comm.all_reduce_values(have, group=self.buffer.dp_group)
+        return [k for k, n in zip(names, have, strict=True) if n > 0]
+
+    def _gather(self, of: Callable[[Fragment], torch.Tensor]) -> list[torch.Tensor]:
+        by_bucket: dict[int, torch.Tensor] = {}
+        for bucket in self.buffer.buckets:
+            shard = torch.zeros(bucket.numel // self.buffer.dp, dtype=torch.float32,
+                                device=bucket.grads.device)
+            for f in self.all_fragments():
+                if f.bucket is bucket:
+                    shard[f.shard_start:f.shard_start + f.numel] = of(f)
+            full = torch.empty(bucket.numel, dtype=torch.float32, device=shard.device)
+            comm.all_gather_into(full, shard, self.buffer.dp_group)
+            by_bucket[bucket.index] = full
+        out = []
+        for params in self.model_groups:
+            for p in params:
+                bucket, offset = self.buffer.offset(p)
+                out.append(by_bucket[bucket.index][offset:offset + p.numel()].view(p.shape)
+                           .clone())
+        return out
