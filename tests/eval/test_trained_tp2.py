@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _train(rank, world_size, sets):
-    from megatron_rembert.run_config import load_config
+    from megatron_rembert.run_config.load import load_config
     from megatron_rembert.training import loop
 
     return loop.train(load_config(str(ROOT / "configs" / "tiny.yaml"), sets))["step"]
