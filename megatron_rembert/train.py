@@ -117,10 +117,14 @@ def _main(argv: list[str] | None, stop: StopFlag) -> int:
     check_memory(config, plan.stages, launch.local_rank, local_world)
     stop.in_use = True
     from megatron_rembert.deepspeed_env import choose_accelerator
+    from megatron_rembert.training.startup import STARTUP  # torch-free
 
+    STARTUP.enable(launch.rank == 0)
+    STARTUP.mark("settings")  # since the process started: parsing, loading, checking
     choose_accelerator()  # before DeepSpeed's import: no "Setting accelerator to CPU" warning
-    from megatron_rembert.training.loop import train
+    from megatron_rembert.training.loop import train  # torch, DeepSpeed, the model
 
+    STARTUP.mark("training imports")
     summary = train(config, stop, plan)
     # torch's documented end of a rank, done or stopped: its process groups are destroyed
     # while everything they use still exists. Left to the interpreter's teardown, a rank that

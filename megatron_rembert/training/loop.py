@@ -61,7 +61,8 @@ def train(config: Config, stop: StopFlag | None = None, plan: RunPlan | None = N
     rank, watchdog = launch.rank, None
     try:  # the rendezvous too: a peer that never comes is a collective failure
         STARTUP.enable(rank == 0)
-        STARTUP.mark("imports and settings")
+        if not STARTUP.stages:  # train.py marks its own: settings, training imports
+            STARTUP.mark("imports and settings")
         rank, world, device = setup_distributed(launch, config.parallel.timeout_minutes,
                                                 config.parallel.backend)
         STARTUP.mark("rendezvous")
