@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from megatron_rembert.launch_env import launch_env, publish
+
 # The smallest run (seconds): tests/bench/test_every_bench.py.
 TINY_ARGS = ["--hidden", "64", "--layers", "1", "--vocab", "1000", "--reps", "1"]
 
@@ -47,14 +49,12 @@ def main(argv: list[str] | None = None) -> None:
     from megatron_rembert.checkpoint.step_folder import step_tag
     from megatron_rembert.parallel import random as tp_random
     from megatron_rembert.parallel import state
-    from megatron_rembert.run_config import build_config
+    from megatron_rembert.run_config.load import build_config
     from megatron_rembert.training import checkpoint as ckpt
     from megatron_rembert.training.engine import Trainer
     from megatron_rembert.training.plan import RunPlan
 
-    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533", "RANK": "0",
-                       "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
-        os.environ.setdefault(key, value)
+    publish(launch_env(default_port=29533))
     deepspeed.init_distributed(dist_backend="gloo")
     model = {"preset": "tiny", "vocab_size": args.vocab, "hidden_size": args.hidden,
              "num_hidden_layers": args.layers, "num_attention_heads": 8,

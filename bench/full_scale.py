@@ -62,7 +62,7 @@ def import_baseline() -> int:
 
 
 def config_for(layers: int, vocab: int | None, extra: list[str]):
-    from megatron_rembert.run_config import load_config
+    from megatron_rembert.run_config.load import load_config
 
     keys = TRAIN_KEYS + [f"model.num_hidden_layers={layers}"] + extra
     if vocab:
@@ -107,7 +107,7 @@ def rank_overheads(out: Path, keys: list[str]) -> dict[str, float]:
     peaks of the other processes (torchrun, loader workers) summed."""
     tiny = keys + TINY + [f"train.save_dir={out / 'checkpoints_tiny'}",
                           f"train.log_dir={out / 'logs_tiny'}"]
-    from megatron_rembert.run_config import load_config
+    from megatron_rembert.run_config.load import load_config
 
     estimates = rank_estimates(load_config(ROOT / "configs" / "rembert.yaml", tiny))
     peaks, _ = train(tiny, [])

@@ -36,7 +36,7 @@ from megatron_rembert.model.pipeline import (
     pipeline_inputs,
 )
 from megatron_rembert.model.sizes import flops_per_token
-from megatron_rembert.run_config import load_config
+from megatron_rembert.run_config.load import load_config
 from megatron_rembert.training.main_grads import attach_main_grad
 from megatron_rembert.training.metrics import peak_flops
 from megatron_rembert.training.plan import RunPlan

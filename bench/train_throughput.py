@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import statistics
 import sys
 import time
@@ -45,6 +44,7 @@ import torch.nn.functional as F
 
 from bench.common import device_sync, hf_labels, make_batch, timed, write_json
 from megatron_rembert.config import ModelConfig, get_preset
+from megatron_rembert.launch_env import LaunchEnv, launch_env, publish
 from megatron_rembert.model.rembert import RemBertForPreTraining
 from megatron_rembert.model.sizes import flops_per_token
 
@@ -65,7 +65,7 @@ def cpu_comparison(args) -> None:
     import transformers
 
     from megatron_rembert.convert.hf import hf_config_dict, to_hf_state_dict
-    from megatron_rembert.run_config import Config
+    from megatron_rembert.run_config.schema import Config
     from megatron_rembert.training.optim import build_optimizer
 
     torch.manual_seed(0)
@@ -124,12 +124,11 @@ def deepspeed_step_time(config: ModelConfig, batches: list[dict]) -> float:
     import deepspeed
 
     from megatron_rembert.parallel import state
-    from megatron_rembert.run_config import Config, TrainConfig
+    from megatron_rembert.run_config.schema import Config, TrainConfig
     from megatron_rembert.training.engine import Trainer
     from megatron_rembert.training.plan import RunPlan
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29591"),
-                      RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    publish(LaunchEnv(master_port=launch_env(default_port=29591).master_port))  # one process
     deepspeed.init_distributed(dist_backend="gloo")
     b = batches[0]["input_ids"].shape[0]
     run = Config(model=config, train=TrainConfig(global_batch_size=b, micro_batch_size=b,
@@ -193,7 +192,7 @@ def engine_run_config(config: ModelConfig, precision: str, micro: int, gas: int,
     """The trainer's run config for the engine bench: the production DeepSpeed config of
     `precision` (bf16 + zero1_bf16.json, fp32 + cpu_fp32.json), ZeRO-1, one process, `gas`
     micro-batches of `micro` x `seq` per step."""
-    from megatron_rembert.run_config import Config, TrainConfig
+    from megatron_rembert.run_config.schema import Config, TrainConfig
 
     run = Config(model=config, train=TrainConfig(
         global_batch_size=micro * gas, micro_batch_size=micro, precision=precision, seed=0))
@@ -218,8 +217,7 @@ def engine_comparison(config: ModelConfig, precision: str, micro: int, seq: int,
     from megatron_rembert.training.metrics import memory_gib, peak_flops
     from megatron_rembert.training.plan import RunPlan
 
-    os.environ.setdefault("MASTER_PORT", "29593")
-    setup_distributed(10.0)
+    setup_distributed(launch_env(default_port=29593), 10.0)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
     sync = device_sync(device)
     results = []
@@ -349,20 +347,20 @@ def trainer_throughput(preset: str, micro: int, gas: int, seq: int, steps: int) 
     NCCL (else the CPU with gloo). tokens/s, model TFLOP/s, MFU, peak memory, and the memory
     `train.py --dry-run` estimates for this layout."""
     from megatron_rembert.parallel import state
-    from megatron_rembert.run_config import load_config
+    from megatron_rembert.run_config.load import load_config
     from megatron_rembert.training.distributed import setup_distributed
     from megatron_rembert.training.engine import Trainer
     from megatron_rembert.training.estimate import MEMORY_KEYS, memory_estimate
     from megatron_rembert.training.metrics import memory_gib, peak_flops
     from megatron_rembert.training.plan import RunPlan
 
-    os.environ.setdefault("MASTER_PORT", "29592")
     config = load_config(ROOT / "configs" / "rembert.yaml", [
         f"model.preset={preset}", "parallel.tp=1", "parallel.pp=1",
         f"parallel.ds_config={ROOT / 'ds_configs' / 'zero1_bf16.json'}",
         f"train.micro_batch_size={micro}", f"train.global_batch_size={micro * gas}",
         f"data.seq_length={seq}", "optim.warmup_steps=1"])
-    _, _, device = setup_distributed(config.parallel.timeout_minutes)
+    _, _, device = setup_distributed(launch_env(default_port=29592),
+                                     config.parallel.timeout_minutes)
     plan = RunPlan.build(config, 1)
     state.initialize_model_parallel(plan.layout)
     trainer = Trainer(config, plan, device)

@@ -49,6 +49,15 @@ class Range:
             raise ConfigError(f"{key}={value}: must be {finite}{bounds}")
 
 
+def setting(default=dataclasses.MISSING, *, help: str,
+            default_factory=dataclasses.MISSING):
+    """A config field with its `--help` text (dataclasses.field's metadata["help"]): what
+    `run_config.help.config_help` prints for it, and all it prints besides its default and
+    allowed values."""
+    return dataclasses.field(default=default, default_factory=default_factory,
+                             metadata={"help": help})
+
+
 AT_LEAST_1 = Range(1)
 AT_LEAST_0 = Range(0)
 POSITIVE = Range(0, low_open=True)
@@ -57,41 +66,73 @@ PROBABILITY = Range(0.0, 1.0, high_open=True)  # [0, 1): dropout, Adam's betas
 
 @dataclass
 class ModelConfig:
-    vocab_size: int = 250_300
-    hidden_size: int = 1152
-    num_hidden_layers: int = 32
-    num_attention_heads: int = 18
-    intermediate_size: int = 4608
-    # E_in: width of the input embedding table; projected to hidden_size before layer 0.
-    input_embedding_size: int = 256
-    # E_out: width of the output embedding (MLM decoder), used only in pre-training.
-    output_embedding_size: int = 1664
-    max_position_embeddings: int = 512
-    type_vocab_size: int = 2
-    layer_norm_eps: float = 1e-12
-    hidden_dropout_prob: float = 0.0
-    attention_probs_dropout_prob: float = 0.0
-    initializer_range: float = 0.02
-    pad_token_id: int = 0
-    # Coupled baselines: the MLM decoder reuses the input embedding table (needs E_in == E_out).
-    tie_embeddings: bool = False
-    # "sdpa" (torch.nn.functional.scaled_dot_product_attention) or "fused_softmax" (Triton).
-    attention_backend: str = "sdpa"
-    # MLM loss: "fused" (chunked linear + cross-entropy, holds logits only within
-    # loss_keep_logits_gib) or "reference" (logits for all masked tokens, then a
-    # vocab-parallel cross-entropy).
-    loss_backend: str = "fused"
-    # Fused loss: most rows per chunk of the output projection (0 = the device's default:
-    # logits tiles of up to 2^29 elements on CUDA, 2,144 rows at a 250k vocabulary shard; 2^25
-    # on CPU, 128 rows). Rows are split into equal chunks; see docs/kernels.md.
-    loss_chunk_rows: int = 0
-    # Fused loss: GiB of forward logits kept for backward, which then skips recomputing them
-    # (3 GEMMs of the vocabulary projection instead of 4); chunks beyond it are recomputed.
-    # rembert's 16 x 77 masked rows take 0.57 GiB in bf16 at tp 1. 0 = recompute all.
-    loss_keep_logits_gib: float = 1.0
-    # torch.compile each Transformer layer (one graph for all layers; the embeddings and the
-    # head stay eager): true, false, or auto (compiled on CUDA, eager on CPU).
-    compile: bool | str = "auto"
+    vocab_size: int = setting(
+        250_300,
+        help=(
+            "pieces in the vocabulary (the tokenizer's; padded to 128 x tp in the model)"))
+    hidden_size: int = setting(1152, help="H, the Transformer width")
+    num_hidden_layers: int = setting(32, help="Transformer layers")
+    num_attention_heads: int = setting(18, help="attention heads (must divide hidden_size)")
+    intermediate_size: int = setting(4608, help="width of each layer's feed-forward block")
+    input_embedding_size: int = setting(
+        256,
+        help=(
+            "E_in: width of the input embedding table; projected to hidden_size before layer 0."))
+    output_embedding_size: int = setting(
+        1664,
+        help=(
+            "E_out: width of the output embedding (MLM decoder), used only in pre-training."))
+    max_position_embeddings: int = setting(
+        512,
+        help=(
+            "longest sequence the position table holds (>= data.seq_length)"))
+    type_vocab_size: int = setting(2, help="token-type (segment) embeddings")
+    layer_norm_eps: float = setting(1e-12, help="LayerNorm epsilon")
+    hidden_dropout_prob: float = setting(
+        0.0,
+        help=(
+            "dropout after the embeddings, attention output and feed-forward block"))
+    attention_probs_dropout_prob: float = setting(0.0,
+                                                  help="dropout on the attention probabilities")
+    initializer_range: float = setting(
+        0.02,
+        help=(
+            "standard deviation of the normal weight initialisation"))
+    pad_token_id: int = setting(0, help="the padding piece (below vocab_size)")
+    tie_embeddings: bool = setting(
+        False,
+        help=(
+            "Coupled baselines: the MLM decoder reuses the input embedding table (needs E_in == "
+            "E_out)."))
+    attention_backend: str = setting(
+        "sdpa",
+        help=(
+            '"sdpa" (torch.nn.functional.scaled_dot_product_attention) or "fused_softmax" '
+            "(Triton)."))
+    loss_backend: str = setting(
+        "fused",
+        help=(
+            'MLM loss: "fused" (chunked linear + cross-entropy, holds logits only within '
+            'loss_keep_logits_gib) or "reference" (logits for all masked tokens, then a '
+            "vocab-parallel cross-entropy)."))
+    loss_chunk_rows: int = setting(
+        0,
+        help=(
+            "Fused loss: most rows per chunk of the output projection (0 = the device's default: "
+            "logits tiles of up to 2^29 elements on CUDA, 2,144 rows at a 250k vocabulary shard; "
+            "2^25 on CPU, 128 rows). Rows are split into equal chunks; see docs/kernels.md."))
+    loss_keep_logits_gib: float = setting(
+        1.0,
+        help=(
+            "Fused loss: GiB of forward logits kept for backward, which then skips recomputing "
+            "them (3 GEMMs of the vocabulary projection instead of 4); chunks beyond it are "
+            "recomputed. rembert's 16 x 77 masked rows take 0.57 GiB in bf16 at tp 1. 0 = "
+            "recompute all."))
+    compile: bool | str = setting(
+        "auto",
+        help=(
+            "torch.compile each Transformer layer (one graph for all layers; the embeddings and "
+            "the head stay eager): true, false, or auto (compiled on CUDA, eager on CPU)."))
 
     @property
     def head_dim(self) -> int:

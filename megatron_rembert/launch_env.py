@@ -3,6 +3,11 @@ once, before any process group exists: values that are not integers or that cont
 other are one `error:` line naming the variable, not a traceback or a rendezvous that waits
 for ranks that will never come.
 
+The one reader and the one writer of these variables in the package: `launch_env()` reads
+them once (train.py, into the run plan; everything else takes them from there), and
+`publish()` writes what torch's env:// rendezvous and DeepSpeed read back from the
+environment. No other module reads them (tests/test_launch_env.py scans the source).
+
 The ground floor: torch-free, importing nothing of the package but its error type.
 """
 
@@ -14,7 +19,11 @@ from dataclasses import dataclass
 
 from megatron_rembert.errors import UserError
 
-NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT")
+NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT")  # integers
+# Every variable launch_env() reads: the integers, the rendezvous host, the SLURM job (a
+# requeued job takes over its earlier incarnation's save_dir lock, checkpoint/lock.py).
+READS = (*NAMES, "MASTER_ADDR", "SLURM_JOB_ID")
+DEFAULT_PORT = 29500  # torch's own default for env:// rendezvous
 
 
 class LaunchError(UserError):
@@ -27,6 +36,9 @@ class LaunchEnv:
     world_size: int | None = None  # None: not launched by a launcher (one process)
     local_rank: int = 0
     local_world_size: int | None = None  # ranks on this node, when the launcher says
+    master_addr: str = "127.0.0.1"
+    master_port: int = DEFAULT_PORT
+    slurm_job_id: str | None = None  # under SLURM: this job's id (the same after a requeue)
 
 
 def _integer(env: Mapping[str, str], name: str) -> int | None:
@@ -40,8 +52,10 @@ def _integer(env: Mapping[str, str], name: str) -> int | None:
                           "job is launched (torchrun, srun or the environment)") from None
 
 
-def launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
-    """The checked launcher variables of `env` (default: this process's environment)."""
+def launch_env(env: Mapping[str, str] | None = None, default_port: int = DEFAULT_PORT
+               ) -> LaunchEnv:
+    """The checked launcher variables of `env` (default: this process's environment).
+    `default_port`: the rendezvous port where MASTER_PORT is unset (one process)."""
     env = os.environ if env is None else env
     rank, world, local, local_world, port = (_integer(env, n) for n in NAMES)
 
@@ -68,4 +82,18 @@ def launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
     if port is not None and not 1 <= port <= 65535:
         raise refuse("MASTER_PORT must be in 1..65535")
     return LaunchEnv(rank=rank or 0, world_size=world, local_rank=local or 0,
-                     local_world_size=local_world)
+                     local_world_size=local_world,
+                     master_addr=env.get("MASTER_ADDR", "").strip() or "127.0.0.1",
+                     master_port=default_port if port is None else port,
+                     slurm_job_id=env.get("SLURM_JOB_ID", "").strip() or None)
+
+
+def publish(launch: LaunchEnv, local_rank: int | None = None) -> None:
+    """Write `launch` into this process's environment, where torch's env:// rendezvous
+    (MASTER_ADDR, MASTER_PORT) and DeepSpeed (RANK, WORLD_SIZE, LOCAL_RANK) read it back; a
+    single process gets rank 0 of 1. `local_rank`: what DeepSpeed is to take as LOCAL_RANK, the
+    index of the GPU this rank uses (DeepSpeed's engine and pipeline module bind to
+    cuda:LOCAL_RANK; where ranks share GPUs that is not the launcher's LOCAL_RANK)."""
+    os.environ.update(MASTER_ADDR=launch.master_addr, MASTER_PORT=str(launch.master_port),
+                      RANK=str(launch.rank), WORLD_SIZE=str(launch.world_size or 1),
+                      LOCAL_RANK=str(launch.local_rank if local_rank is None else local_rank))

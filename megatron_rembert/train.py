@@ -45,11 +45,12 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None, stop: StopFlag) -> int:
     import argparse
     import importlib.util
-    import os
 
     from megatron_rembert.config import ConfigError
     from megatron_rembert.launch_env import launch_env
-    from megatron_rembert.run_config import check_settings, config_help, load_config
+    from megatron_rembert.run_config.checks import check_settings
+    from megatron_rembert.run_config.help import config_help
+    from megatron_rembert.run_config.load import load_config
 
     parser = argparse.ArgumentParser(
         description=__doc__, epilog=config_help(),
@@ -98,10 +99,11 @@ def _main(argv: list[str] | None, stop: StopFlag) -> int:
 
     par = config.parallel
     world = (args.world_size if args.dry_run else None) or launch.world_size
-    # The run plan, resolved once: a real run's is this rank's (the launcher's RANK), which
-    # the training loop takes as it is.
+    # The run plan, resolved once: a real run's is this rank's (the launcher's RANK) and
+    # keeps the launcher's variables; the training loop takes it as it is.
     plan = RunPlan.build(config, world or (par.tp * par.pp if args.dry_run else 1),
-                         0 if args.dry_run else launch.rank, data=data_plan)
+                         0 if args.dry_run else launch.rank, data=data_plan,
+                         launch=None if args.dry_run else launch)
     local_world = launch.local_world_size or 1  # ranks on this node, as the launcher says
     if args.dry_run:
         from megatron_rembert.training.dry_run import dry_run_report
@@ -115,10 +117,14 @@ def _main(argv: list[str] | None, stop: StopFlag) -> int:
     check_memory(config, plan.stages, launch.local_rank, local_world)
     stop.in_use = True
     from megatron_rembert.deepspeed_env import choose_accelerator
+    from megatron_rembert.training.startup import STARTUP  # torch-free
 
+    STARTUP.enable(launch.rank == 0)
+    STARTUP.mark("settings")  # since the process started: parsing, loading, checking
     choose_accelerator()  # before DeepSpeed's import: no "Setting accelerator to CPU" warning
-    from megatron_rembert.training.loop import train
+    from megatron_rembert.training.loop import train  # torch, DeepSpeed, the model
 
+    STARTUP.mark("training imports")
     summary = train(config, stop, plan)
     # torch's documented end of a rank, done or stopped: its process groups are destroyed
     # while everything they use still exists. Left to the interpreter's teardown, a rank that
@@ -128,7 +134,7 @@ def _main(argv: list[str] | None, stop: StopFlag) -> int:
 
     if dist.is_initialized():
         dist.destroy_process_group()
-    if not summary.get("stopped") and int(os.environ.get("RANK", 0)) == 0:
+    if not summary.get("stopped") and launch.rank == 0:
         print(f"done at step {summary['step']}; checkpoints in {summary['save_dir']}, "
               f"metrics in {summary['log_dir']}/metrics.jsonl; "
               f"view with: tensorboard --logdir {summary['log_dir']}")

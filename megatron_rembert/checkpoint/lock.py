@@ -35,11 +35,14 @@ def _alive(pid: int) -> bool:
 
 
 class SaveDirLock:
-    """`with SaveDirLock(save_dir, flag="train.save_dir"):` — also proves the folder writable."""
+    """`with SaveDirLock(save_dir, flag="train.save_dir"):` — also proves the folder writable.
+    `job`: this run's SLURM job id (launch_env.LaunchEnv.slurm_job_id), None outside SLURM."""
 
-    def __init__(self, save_dir: str | Path, flag: str = "train.save_dir"):
+    def __init__(self, save_dir: str | Path, flag: str = "train.save_dir",
+                 job: str | None = None):
         self.path = Path(save_dir) / LOCK
         self.flag = flag
+        self.job = job
         self.held = False
 
     def acquire(self) -> None:
@@ -54,7 +57,7 @@ class SaveDirLock:
                 try:
                     with os.fdopen(fd, "w") as f:
                         json.dump({"host": socket.gethostname(), "pid": os.getpid(),
-                                   "slurm_job": os.environ.get("SLURM_JOB_ID"),
+                                   "slurm_job": self.job,
                                    "since": time.strftime("%Y-%m-%d %H:%M:%S")}, f)
                 except OSError:  # a full disk: no empty lock left behind
                     self.path.unlink(missing_ok=True)
@@ -76,9 +79,8 @@ class SaveDirLock:
         except (OSError, ValueError, KeyError, TypeError):
             self._check_unwritten()
             return
-        job = os.environ.get("SLURM_JOB_ID")
         dead = host == socket.gethostname() and pid > 0 and not _alive(pid)
-        if dead or (job and holder.get("slurm_job") == job):
+        if dead or (self.job and holder.get("slurm_job") == self.job):
             self.path.unlink(missing_ok=True)  # stale: its owner died without cleaning up
             return
         raise CheckpointError(

@@ -19,7 +19,7 @@ from megatron_rembert.checkpoint.step_folder import StepFolder
 from megatron_rembert.config import EXECUTION_FIELDS
 from megatron_rembert.model.cost import layer_parameters
 from megatron_rembert.parallel.layout import Layout
-from megatron_rembert.run_config import Config
+from megatron_rembert.run_config.schema import Config
 
 # The LR multiplier of a config at a step (training/optim.py: lr_lambda). checkpoint/ sits
 # below training/, so the notices take it as an argument.

@@ -36,7 +36,8 @@ from megatron_rembert.convert.hf import (
 from megatron_rembert.convert.tensor_check import check_checkpoint, check_tensors
 from megatron_rembert.convert.tokenizer_files import check_tokenizer, write_tokenizer
 from megatron_rembert.parallel import state
-from megatron_rembert.run_config import Config, load_config
+from megatron_rembert.run_config.load import load_config
+from megatron_rembert.run_config.schema import Config
 
 
 def _count(specs: list[ParamSpec]) -> int:

@@ -27,7 +27,7 @@ from megatron_rembert.convert.files import (
     staged_output,
 )
 from megatron_rembert.convert.tensor_check import check_checkpoint
-from megatron_rembert.run_config import PIPELINE_ZERO_STAGE
+from megatron_rembert.run_config.schema import PIPELINE_ZERO_STAGE
 
 
 def reshard(checkpoint: str, out: str, tp: int | None, pp: int | None, force: bool,

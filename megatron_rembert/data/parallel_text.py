@@ -6,7 +6,7 @@
 
 Row i of a language's `text` translates row i of its `en`. Blank lines are skipped. The one
 reader of the format, with one set of rules, for both of its users: the trainer's periodic
-retrieval (eval.retrieval_path, checked at start-up by run_config.check_settings; read by
+retrieval (eval.retrieval_path, checked at start-up by run_config.checks.check_settings; read by
 training/retrieval.py) and the offline `rembert-eval --parallel` (eval/). So a figure logged
 while training and the offline one, at the same number of pairs, are measured on the same pairs.
 

@@ -37,7 +37,7 @@ class Phase:
 
 class Schedule:
     """The schedules of a DataConfig over a run of `steps` optimizer steps (checked by
-    `run_config.check_schedule`)."""
+    `run_config.checks.check_schedule`)."""
 
     def __init__(self, data: DataConfig, steps: int):
         self.steps = steps

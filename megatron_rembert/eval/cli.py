@@ -142,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     baselines = _check_flags(args)
+    from megatron_rembert.deepspeed_env import choose_accelerator
+
+    choose_accelerator()  # before DeepSpeed's import (checkpoint files): no accelerator warning
     from megatron_rembert.data.parallel_text import read_parallel_set
     from megatron_rembert.eval import data, report, suite
     from megatron_rembert.eval.encoder import open_checkpoint, open_hf

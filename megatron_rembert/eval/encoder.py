@@ -31,7 +31,7 @@ from megatron_rembert.fs import sha256_file
 from megatron_rembert.model.rembert import RemBertModel
 from megatron_rembert.parallel import state
 from megatron_rembert.parallel.layers import init_weights
-from megatron_rembert.run_config import TrainConfig
+from megatron_rembert.run_config.schema import TrainConfig
 
 ENCODER_PREFIX = "rembert."  # our pre-training model's names of the encoder's weights
 

@@ -56,7 +56,8 @@ def sampling_table(manifest: dict, data: DataConfig, steps: int) -> str:
 
 def config_sampling_table(data_dir: str | os.PathLike, config_path: str | os.PathLike) -> str:
     """`sampling_table` of a dataset under the schedule of a training config (checked first)."""
-    from megatron_rembert.run_config import check_ranges, load_config
+    from megatron_rembert.run_config.checks import check_ranges
+    from megatron_rembert.run_config.load import load_config
 
     config = load_config(config_path)
     check_ranges(config)

@@ -36,7 +36,7 @@ from megatron_rembert.data import batch
 from megatron_rembert.model.cost import tp_all_reduces
 from megatron_rembert.model.pipeline import PIPE_ACTIVATIONS
 from megatron_rembert.parallel.layout import Layout, layout_rank
-from megatron_rembert.run_config import Config
+from megatron_rembert.run_config.schema import Config
 from megatron_rembert.training import main_grads
 from megatron_rembert.training.links import LinkAssumptions
 from megatron_rembert.training.plan import RunPlan

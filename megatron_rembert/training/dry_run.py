@@ -6,7 +6,7 @@ from __future__ import annotations
 from megatron_rembert.cli import format_table
 from megatron_rembert.model.cost import model_flops
 from megatron_rembert.model.sizes import parameter_counts
-from megatron_rembert.run_config import Config
+from megatron_rembert.run_config.schema import Config
 from megatron_rembert.training.communication import (
     DP_PATHS,
     dp_path,

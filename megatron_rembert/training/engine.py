@@ -37,7 +37,7 @@ from megatron_rembert.parallel import comm, state
 from megatron_rembert.parallel.fp8 import enable_fp8, follow_optimizer
 from megatron_rembert.parallel.layers import init_weights, is_tp_sharded
 from megatron_rembert.parallel.random import checkpoint_safe
-from megatron_rembert.run_config import Config
+from megatron_rembert.run_config.schema import Config
 from megatron_rembert.training import deepspeed_private, main_grads
 from megatron_rembert.training.hang import POSITION
 from megatron_rembert.training.lamb import Lamb

@@ -13,7 +13,7 @@ from megatron_rembert.data.schedule import DataPlan
 from megatron_rembert.model.cost import layer_parameters, parameter_table, pipeline_layer_flops
 from megatron_rembert.model.partition import balance_stages, one_f_one_b_efficiency
 from megatron_rembert.parallel.layout import Layout
-from megatron_rembert.run_config import Config
+from megatron_rembert.run_config.schema import Config
 from megatron_rembert.training import main_grads
 
 

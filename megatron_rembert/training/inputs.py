@@ -10,18 +10,20 @@ import torch
 from megatron_rembert.config import ConfigError
 from megatron_rembert.data.shards import ShardDataset
 from megatron_rembert.fs import sha256_file
-from megatron_rembert.run_config import Config
+from megatron_rembert.launch_env import LaunchEnv
+from megatron_rembert.run_config.schema import Config
 from megatron_rembert.training.plan import RunPlan
 
 
 def check_inputs(config: Config, world_size: int, device: torch.device, rank: int = 0,
-                 plan: RunPlan | None = None) -> tuple[RunPlan, str | None]:
+                 plan: RunPlan | None = None, launch: LaunchEnv | None = None
+                 ) -> tuple[RunPlan, str | None]:
     """Every cheap check before heavy work: the run plan (config, layout, stage split), data
     folder, tokenizer, vocabulary (the one place the model's vocabulary is compared with the
-    dataset's). Returns this rank's run plan (`plan` as given, else built here once) and the
-    tokenizer's sha256."""
+    dataset's). Returns this rank's run plan (`plan` as given, else built here once, keeping
+    `launch`) and the tokenizer's sha256."""
     if plan is None:
-        plan = RunPlan.build(config, world_size, rank)
+        plan = RunPlan.build(config, world_size, rank, launch=launch)
     elif (plan.layout.world_size, plan.layout.rank) != (world_size, rank):
         raise RuntimeError(f"the run plan is of rank {plan.layout.rank} of "
                            f"{plan.layout.world_size}, this process is rank {rank} of "

@@ -13,11 +13,11 @@ import torch
 from megatron_rembert.checkpoint import resume
 from megatron_rembert.data.loader import build_pretraining_loader
 from megatron_rembert.errors import RunError
-from megatron_rembert.launch_env import launch_env
+from megatron_rembert.launch_env import LaunchEnv, launch_env
 from megatron_rembert.model.cost import model_flops
 from megatron_rembert.parallel import random as tp_random
 from megatron_rembert.parallel import state
-from megatron_rembert.run_config import Config
+from megatron_rembert.run_config.schema import Config
 from megatron_rembert.training import checkpoint as ckpt
 from megatron_rembert.training.distributed import setup_distributed
 from megatron_rembert.training.divergence import DivergenceCheck, DivergenceError, stop_message
@@ -48,7 +48,8 @@ def train(config: Config, stop: StopFlag | None = None, plan: RunPlan | None = N
 
     `stop`: the stop-signal flag (training/signals.py), installed here if not given; train.py
     installs it before its heavy imports. `plan`: this rank's run plan, when the caller
-    resolved it already (train.py does, for its memory check); built here otherwise.
+    resolved it already (train.py does, for its memory check, with the launcher's variables
+    it read); built here otherwise, from the launcher's variables read here, once.
 
     A collective that times out or breaks (a peer hung, died or stopped on its own error)
     ends the run with one line naming this rank's position (step, phase, micro-batch or
@@ -56,11 +57,13 @@ def train(config: Config, stop: StopFlag | None = None, plan: RunPlan | None = N
     """
     stop = stop or StopFlag()
     stop.set_time_limit(config.train.max_minutes)
-    rank, watchdog = launch_env().rank, None
+    launch = plan.launch if plan is not None and plan.launch is not None else launch_env()
+    rank, watchdog = launch.rank, None
     try:  # the rendezvous too: a peer that never comes is a collective failure
         STARTUP.enable(rank == 0)
-        STARTUP.mark("imports and settings")
-        rank, world, device = setup_distributed(config.parallel.timeout_minutes,
+        if not STARTUP.stages:  # train.py marks its own: settings, training imports
+            STARTUP.mark("imports and settings")
+        rank, world, device = setup_distributed(launch, config.parallel.timeout_minutes,
                                                 config.parallel.backend)
         STARTUP.mark("rendezvous")
         watchdog = Watchdog(rank, 0.9 * 60 * config.parallel.timeout_minutes).start()
@@ -72,8 +75,8 @@ def train(config: Config, stop: StopFlag | None = None, plan: RunPlan | None = N
                       "new to save; exiting", flush=True)
             return {"step": None, "last_saved": None, "last": {}, "stopped": True,
                     "save_dir": config.train.save_dir, "log_dir": config.train.log_dir}
-        with save_dir_locked(config):
-            return _train(config, rank, world, device, stop, plan)
+        with save_dir_locked(config, launch):
+            return _train(config, launch, world, device, stop, plan)
     except Exception as err:
         if is_collective_failure(err):
             said = (str(err).strip().splitlines() or [type(err).__name__])[0]
@@ -87,12 +90,13 @@ def train(config: Config, stop: StopFlag | None = None, plan: RunPlan | None = N
             watchdog.stop()
 
 
-def _train(config: Config, rank: int, world: int, device: torch.device, stop: StopFlag,
-           plan: RunPlan | None) -> dict:
+def _train(config: Config, launch: LaunchEnv, world: int, device: torch.device,
+           stop: StopFlag, plan: RunPlan | None) -> dict:
     from megatron_rembert.training.engine import Trainer
 
+    rank = launch.rank
     POSITION.set(step=0, phase="start-up")
-    plan, sha = check_inputs(config, world, device, rank, plan)
+    plan, sha = check_inputs(config, world, device, rank, plan, launch)
     layout = plan.layout
     meta = run_meta(config, sha, plan)
     resume_folder, how = find_resume(config, meta, layout)

@@ -14,7 +14,7 @@ from megatron_rembert.checkpoint.specs import no_weight_decay
 from megatron_rembert.config import ConfigError
 from megatron_rembert.parallel import state
 from megatron_rembert.parallel.layout import Layout
-from megatron_rembert.run_config import Config
+from megatron_rembert.run_config.schema import Config
 from megatron_rembert.training.lamb import Lamb
 
 # Keys of the DeepSpeed config that our Config owns, and the key of ours that sets each: a

@@ -28,7 +28,7 @@ from megatron_rembert.data.parallel_text import read_parallel_set
 from megatron_rembert.model.retrieval import accuracy_at_1, chance, mean_pool, middle_layer
 from megatron_rembert.parallel import comm, state
 from megatron_rembert.prep.tokenizer import load_sentencepiece
-from megatron_rembert.run_config import Config
+from megatron_rembert.run_config.schema import Config
 
 
 def pooled_layer(config: Config) -> int:

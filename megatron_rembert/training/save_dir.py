@@ -17,9 +17,10 @@ from megatron_rembert.checkpoint.step_folder import (
     unexpected_entries,
 )
 from megatron_rembert.fs import sha256_file
+from megatron_rembert.launch_env import LaunchEnv
 from megatron_rembert.parallel import comm
 from megatron_rembert.parallel.layout import Layout
-from megatron_rembert.run_config import Config
+from megatron_rembert.run_config.schema import Config
 from megatron_rembert.training.optim import lr_lambda
 from megatron_rembert.training.plan import RunPlan
 
@@ -34,10 +35,10 @@ def run_meta(config: Config, sha: str | None, plan: RunPlan) -> dict:
 
 
 @contextmanager
-def save_dir_locked(config: Config) -> Iterator[None]:
+def save_dir_locked(config: Config, launch: LaunchEnv) -> Iterator[None]:
     """Rank 0 locks train.save_dir (which also proves it writable) before any heavy work;
-    every rank learns whether that worked."""
-    lock = SaveDirLock(config.train.save_dir)
+    every rank learns whether that worked. The lock records the SLURM job of `launch`."""
+    lock = SaveDirLock(config.train.save_dir, job=launch.slurm_job_id)
     with comm.agree_or_raise(CheckpointError, lambda error, ranks: error or CheckpointError(
             f"train.save_dir={config.train.save_dir}: rank 0 could not lock it (its error says "
             "why)")):

@@ -1,7 +1,8 @@
 """Start-up stages and their times, printed by global rank 0 as each one ends.
 
-A run spends seconds to minutes before its first step (imports, the rendezvous, the data
-checks, the model, DeepSpeed's engine, the resume, the loader); each line says what just
+A run spends seconds to minutes before its first step (train.py's settings, the training
+imports (torch, DeepSpeed, the model), the rendezvous, the data checks, the model,
+DeepSpeed's engine, the resume, the loader); each line says what just
 finished and how long it took, so a slow stage shows where the time goes. Times count from the
 process's start (training/signals.py), the imports included.
 """

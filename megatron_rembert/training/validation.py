@@ -4,7 +4,7 @@ their combination (token-weighted and language-averaged), and retrieval accuracy
 from __future__ import annotations
 
 from megatron_rembert.data.loader import build_validation_set
-from megatron_rembert.run_config import Config
+from megatron_rembert.run_config.schema import Config
 from megatron_rembert.training.hang import POSITION
 from megatron_rembert.training.metrics import MetricsLogger
 from megatron_rembert.training.plan import RunPlan

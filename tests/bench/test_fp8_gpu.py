@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from bench import fp8_gpu, gpu_table
-from megatron_rembert.run_config import load_config
+from megatron_rembert.run_config.load import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -68,12 +68,13 @@ def test_compiled_layers_equal_eager_layers(dropout):
 def _sync_worker(rank, world_size) -> list[str]:
     """The trainer's micro-batches (bf16 + zero1_bf16.json, gas 2) under sync_debug_mode
     "error", twice: the first step and one after the optimizer has stepped."""
+    from megatron_rembert.launch_env import launch_env
     from megatron_rembert.parallel import state
     from megatron_rembert.training.distributed import setup_distributed
     from megatron_rembert.training.engine import Trainer
     from megatron_rembert.training.plan import RunPlan
 
-    _, _, device = setup_distributed(5.0)
+    _, _, device = setup_distributed(launch_env(), 5.0)
     config = get_preset("tiny").replace(vocab_size=4096)
     run = train_throughput.engine_run_config(config, "bf16", micro=2, gas=2, seq=64)
     plan = RunPlan.build(run, 1)

@@ -10,7 +10,7 @@ import pytest
 
 from bench import gpu_table, pipeline_balance
 from megatron_rembert.checkpoint.resume import parameter_balanced_boundaries
-from megatron_rembert.run_config import load_config
+from megatron_rembert.run_config.load import load_config
 from megatron_rembert.training.plan import RunPlan
 
 ROOT = Path(__file__).resolve().parents[2]

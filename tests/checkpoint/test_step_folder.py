@@ -181,3 +181,19 @@ def test_a_lock_whose_record_fails_to_write_is_not_left_behind(tmp_path, monkeyp
     with pytest.raises(CheckpointError, match=r"not writable \(No space left on device"):
         SaveDirLock(tmp_path / "run").acquire()
     assert not (tmp_path / "run" / ".lock").exists()
+
+
+def test_a_requeued_slurm_job_takes_over_its_own_lock_only(tmp_path):
+    """A lock taken on another host by this SLURM job (an earlier incarnation, before a
+    requeue) is stale and taken over; one of another job, or seen outside SLURM, is refused.
+    The job id comes from the launcher's variables as read once (launch_env), not from here."""
+    lock = tmp_path / "run" / ".lock"
+    lock.parent.mkdir()
+    record = {"host": "another-node", "pid": 12345, "slurm_job": "4711", "since": "earlier"}
+    for job in ("4712", None):
+        lock.write_text(json.dumps(record))
+        with pytest.raises(CheckpointError, match=r"in use by pid 12345 on host another-node"):
+            SaveDirLock(tmp_path / "run", job=job).acquire()
+    with SaveDirLock(tmp_path / "run", job="4711"):
+        assert json.loads(lock.read_text())["slurm_job"] == "4711"
+    assert not lock.exists()

@@ -49,7 +49,7 @@ def integrity_worker(rank, world_size, root: str) -> dict:
 
     from megatron_rembert.checkpoint.step_folder import StepFolder
     from megatron_rembert.parallel import state
-    from megatron_rembert.run_config import build_config
+    from megatron_rembert.run_config.load import build_config
     from megatron_rembert.training import checkpoint as ckpt
     from megatron_rembert.training.engine import Trainer
     from megatron_rembert.training.plan import RunPlan

@@ -30,7 +30,7 @@ def train_average_resume_worker(rank, world_size, root: str, batch: dict) -> dic
     from megatron_rembert.checkpoint.resume import check_layout
     from megatron_rembert.checkpoint.step_folder import find_latest
     from megatron_rembert.parallel import comm, state
-    from megatron_rembert.run_config import build_config
+    from megatron_rembert.run_config.load import build_config
     from megatron_rembert.training import checkpoint as ckpt
     from megatron_rembert.training.engine import Trainer
     from megatron_rembert.training.plan import RunPlan

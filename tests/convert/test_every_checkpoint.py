@@ -64,7 +64,7 @@ def matrix_worker(rank, world_size, runs: list[tuple[list[str], bool, bool]]) ->
     `capture`, the live optimizer's full fp32 master weights and exp_avg by global name as
     they were saved at step SAVED (tp = 1: whole tensors, vocabulary padded)."""
     from megatron_rembert.errors import UserError
-    from megatron_rembert.run_config import load_config
+    from megatron_rembert.run_config.load import load_config
     from megatron_rembert.training import checkpoint, loop
     from tests.training.helpers import allow_cpu_fp16
     from tests.training.production import _masters_and_momentum

@@ -24,7 +24,7 @@ def train_worker(rank, world_size, model: dict, over: list[str], load: str | Non
 
     from megatron_rembert.checkpoint.step_folder import StepFolder
     from megatron_rembert.parallel import state
-    from megatron_rembert.run_config import build_config
+    from megatron_rembert.run_config.load import build_config
     from megatron_rembert.training import checkpoint as ckpt
     from megatron_rembert.training.engine import Trainer
     from megatron_rembert.training.plan import RunPlan
@@ -58,7 +58,7 @@ def eval_worker(rank, world_size, model: dict, over: list[str], load: str, batch
 
     from megatron_rembert.checkpoint.step_folder import StepFolder
     from megatron_rembert.parallel import state
-    from megatron_rembert.run_config import build_config
+    from megatron_rembert.run_config.load import build_config
     from megatron_rembert.training import checkpoint as ckpt
     from megatron_rembert.training.engine import Trainer
     from megatron_rembert.training.plan import RunPlan

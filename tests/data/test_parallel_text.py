@@ -141,7 +141,8 @@ def test_train_py_refuses_at_start_up(tmp_path, good_set, capsys, monkeypatch, s
 
 
 def test_a_good_set_passes_the_start_up_checks(tmp_path, good_set):
-    from megatron_rembert.run_config import check_settings, load_config
+    from megatron_rembert.run_config.checks import check_settings
+    from megatron_rembert.run_config.load import load_config
 
     config = load_config(ROOT / "configs" / "tiny.yaml", [
         f"train.save_dir={tmp_path}/ckpt", f"train.log_dir={tmp_path}/logs",

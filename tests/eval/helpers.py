@@ -12,7 +12,7 @@ from megatron_rembert.checkpoint.specs import param_specs
 from megatron_rembert.fs import sha256_file
 from megatron_rembert.model.rembert import RemBertForPreTraining
 from megatron_rembert.parallel import state
-from megatron_rembert.run_config import Config
+from megatron_rembert.run_config.schema import Config
 from tests.model.helpers import small_config
 
 SEED = 1234

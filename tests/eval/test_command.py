@@ -4,7 +4,10 @@ transformers exports give the same figures, the JSON is what docs/eval.md says."
 
 import json
 import math
+import os
 import re
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -199,3 +202,12 @@ def test_json_schema_is_the_documented_one(checkpoint, parallel, corpus_and_toke
                       re.S).group(1)
     documented = {line.split()[0] for line in block.splitlines() if line.strip()}
     assert _schema_paths(doc) == documented
+
+
+
+def run_command(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """rembert-eval as a user runs it: its own process, DS_ACCELERATOR unset."""
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-m", "megatron_rembert.eval.cli", *args], env=env,
+                          cwd=cwd, capture_output=True, text=True, timeout=900)

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from tests.distributed import run_distributed
-from tests.eval.test_command import _figures, run
+from tests.eval.test_command import _figures, run, run_command
 
 pytestmark = pytest.mark.multiprocess  # trains on 2 gloo ranks
 
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _train(rank, world_size, sets):
-    from megatron_rembert.run_config import load_config
+    from megatron_rembert.run_config.load import load_config
     from megatron_rembert.training import loop
 
     return loop.train(load_config(str(ROOT / "configs" / "tiny.yaml"), sets))["step"]
@@ -24,7 +24,8 @@ def _train(rank, world_size, sets):
 def test_tp2_checkpoint_and_its_hf_export_agree(tmp_path, corpus_and_tokenizer, parallel,
                                                 capsys, tied):
     """tied: a coupled model (E_in = E_out, one table), whose DeepSpeed file holds the table
-    under both module names."""
+    under both module names. Untied, the command also runs in its own process, where reading
+    DeepSpeed's files prints no "Setting accelerator to CPU" warning."""
     pytest.importorskip("tokenizers")
     from megatron_rembert.convert.__main__ import main as convert
     from megatron_rembert.prep.preprocess import PreprocessConfig, preprocess
@@ -48,6 +49,11 @@ def test_tp2_checkpoint_and_its_hf_export_agree(tmp_path, corpus_and_tokenizer, 
     args = ["--parallel", str(parallel), "--classify-train", str(train), "--classify-test",
             str(test), "--seeds", "1", "--epochs", "1", "--lr", "1e-3"]
     ours = run(["--checkpoint", str(tmp_path / "ckpt"), *args], tmp_path, capsys)
+    if not tied:  # the command itself, reading DeepSpeed's files: no accelerator warning
+        done = run_command(["--checkpoint", str(tmp_path / "ckpt"), "--parallel",
+                            str(parallel), "--skip-classify", "--quiet"], tmp_path)
+        assert done.returncode == 0 and "Retrieval accuracy@1" in done.stdout, done.stderr
+        assert "Setting accelerator" not in done.stderr + done.stdout, done.stderr
     assert ours["model"]["step"] == 3 and ours["retrieval"]["layer"] == 1  # tiny: 2 layers
     assert convert(["to-hf", "--checkpoint", str(tmp_path / "ckpt"), "--out",
                     str(tmp_path / "hf")]) == 0

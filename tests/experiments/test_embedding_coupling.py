@@ -10,7 +10,7 @@ import pytest
 from experiments.embedding_coupling.run import EVAL_PAIRS, train_settings
 from experiments.embedding_coupling.variants import SCALES, VARIANTS, variant_model
 from megatron_rembert.model.sizes import parameter_counts
-from megatron_rembert.run_config import build_config
+from megatron_rembert.run_config.load import build_config
 
 
 @pytest.mark.parametrize("scale", sorted(SCALES))

@@ -10,7 +10,7 @@ from torch._dynamo.utils import counters
 from megatron_rembert.config import ConfigError, get_preset
 from megatron_rembert.model.rembert import RemBertForPreTraining
 from megatron_rembert.parallel import random as tp_random
-from megatron_rembert.run_config import load_config
+from megatron_rembert.run_config.load import load_config
 
 DROPOUT = dict(hidden_dropout_prob=0.2, attention_probs_dropout_prob=0.2)
 

@@ -112,7 +112,7 @@ def test_dry_run_counts_flops_at_the_schedules_mask_rate():
     """`--dry-run`'s FLOPs per step follow the mask-rate schedule (0.3 for the first half,
     0.1 after), against a hand count: 3 x the forward matmuls, the head at the masked tokens
     of a full row (round((S - 2) x rate), [CLS] and [SEP] never masked)."""
-    from megatron_rembert.run_config import load_config
+    from megatron_rembert.run_config.load import load_config
     from megatron_rembert.training.dry_run import dry_run_report
     from megatron_rembert.training.plan import RunPlan
 

@@ -14,7 +14,7 @@ from megatron_rembert.checkpoint.resume import (
 from megatron_rembert.checkpoint.step_folder import StepFolder
 from megatron_rembert.config import ConfigError
 from megatron_rembert.model.partition import balance_stages, one_f_one_b_efficiency
-from megatron_rembert.run_config import load_config
+from megatron_rembert.run_config.load import load_config
 from megatron_rembert.training.dry_run import dry_run_report
 from megatron_rembert.training.estimate import stage_plan
 from megatron_rembert.training.plan import RunPlan

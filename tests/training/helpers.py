@@ -91,7 +91,7 @@ def train_worker(rank, world_size, overrides, fp16_on_cpu=False):
     import deepspeed
 
     from megatron_rembert.parallel import state
-    from megatron_rembert.run_config import build_config
+    from megatron_rembert.run_config.load import build_config
     from megatron_rembert.training.engine import Trainer
     from megatron_rembert.training.full_tensors import local_parameters
     from megatron_rembert.training.plan import RunPlan

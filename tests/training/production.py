@@ -94,7 +94,7 @@ def _tp_norms(tensors: dict, trainer) -> dict[str, float]:
 
 def run_train(rank, world_size, runs: list[tuple[str, list[str], bool]]) -> list[Run]:
     """`loop.train` for each (config file, overrides, fp16 on CPU), in turn, in this group."""
-    from megatron_rembert.run_config import load_config
+    from megatron_rembert.run_config.load import load_config
     from megatron_rembert.training import engine, loop
     from tests.training.helpers import allow_cpu_fp16
 
@@ -146,7 +146,7 @@ def reference_run(path: str, sets: list[str]) -> Run:
     from megatron_rembert.data.schedule import DataPlan
     from megatron_rembert.model.rembert import RemBertForPreTraining
     from megatron_rembert.parallel.layout import Layout
-    from megatron_rembert.run_config import load_config
+    from megatron_rembert.run_config.load import load_config
     from megatron_rembert.training.optim import LRSchedule, build_optimizer, build_scheduler
 
     config = load_config(path, sets + ["train.precision=fp32", "parallel.tp=1",

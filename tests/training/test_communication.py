@@ -17,7 +17,7 @@ from megatron_rembert.config import get_preset
 from megatron_rembert.model.cost import tp_all_reduces
 from megatron_rembert.parallel import state
 from megatron_rembert.parallel.mappings import ALL_REDUCE_BYTES, ALL_REDUCE_COUNTS
-from megatron_rembert.run_config import build_config, load_config
+from megatron_rembert.run_config.load import build_config, load_config
 from megatron_rembert.training.communication import (
     dp_path,
     group_ranks,

@@ -73,7 +73,7 @@ def counting_worker(rank: int, world_size: int, overrides: list[str]):
     import torch
 
     from megatron_rembert.parallel import state
-    from megatron_rembert.run_config import build_config
+    from megatron_rembert.run_config.load import build_config
     from megatron_rembert.training.engine import Trainer
     from megatron_rembert.training.plan import RunPlan
 
@@ -127,7 +127,7 @@ def _classify(calls: list, groups: dict) -> tuple[Counter, Counter, list]:
 ])
 def test_dry_run_bytes_equal_the_counted_collectives(tp, pp, dp, recompute, layers, precision):
     from megatron_rembert.parallel.layout import layout_coords
-    from megatron_rembert.run_config import build_config
+    from megatron_rembert.run_config.load import build_config
     from megatron_rembert.training.communication import group_ranks, step_collectives
     from megatron_rembert.training.plan import RunPlan
 

@@ -15,15 +15,10 @@ from megatron_rembert.checkpoint import CheckpointError
 from megatron_rembert.checkpoint.step_folder import find_latest
 from megatron_rembert.config import ConfigError
 from megatron_rembert.data.common import DataError
-from megatron_rembert.run_config import (
-    RANGES,
-    Config,
-    build_config,
-    check_config,
-    check_ranges,
-    config_help,
-    load_config,
-)
+from megatron_rembert.run_config.checks import check_config, check_ranges
+from megatron_rembert.run_config.help import config_help
+from megatron_rembert.run_config.load import build_config, load_config
+from megatron_rembert.run_config.schema import RANGES, SECTIONS, Config
 from megatron_rembert.training.inputs import check_inputs
 from megatron_rembert.training.optim import deepspeed_config, lr_lambda
 from megatron_rembert.training.plan import RunPlan
@@ -188,14 +183,25 @@ def test_every_shipped_config_loads_and_plans(path):
     assert f"model {config.model_preset}:" in report and "total" in report
 
 
-def test_help_lists_every_key_with_its_comment():
-    text = config_help()
-    for section in ("parallel", "data", "optim", "train"):
-        for f in dataclasses.fields(getattr(Config(), section)):
-            assert f"  {section}.{f.name} = " in text
-    assert "parallel.zero_stage = 1  [0, 2]  (ZeRO stage 1 or 2;" in text  # an inline comment
-    assert "model.input_embedding_size = 256  >= 1  (E_in: width" in text  # a comment above
-    assert "data.mask_prob = 0.15  (0, 1)" in text and "optim.lr = 0.0002  > 0" in text
+def test_every_setting_has_help_and_help_lists_every_key_with_it():
+    """Each field of each section carries its help text in its metadata (config.setting), and
+    --help prints every key with exactly that text, its default and its allowed values."""
+    text = config_help().splitlines()
+    default = Config()
+    keys = 0
+    for section in SECTIONS:
+        values = getattr(default, section)
+        for f in dataclasses.fields(values):
+            key = f"{section}.{f.name}"
+            assert isinstance(f.metadata.get("help"), str) and f.metadata["help"].strip(), key
+            (line,) = [t for t in text if t.startswith(f"  {key} = ")]
+            assert line.startswith(f"  {key} = {getattr(values, f.name)}")
+            assert line.endswith(f"  ({f.metadata['help']})"), key
+            keys += 1
+    assert keys == len(text) - 2  # the heading and model.preset besides
+    assert set(SECTIONS) == {"model", "parallel", "data", "optim", "train", "eval"}
+    assert "  parallel.zero_stage = 1  [0, 2]  (ZeRO stage 1 or 2;" in config_help()
+    assert "  data.mask_prob = 0.15  (0, 1)  (" in config_help()
 
 
 def test_every_numeric_setting_has_a_range_checked_before_heavy_work():

@@ -4,7 +4,7 @@ unknown key or section suggests the close one."""
 import pytest
 
 from megatron_rembert.config import ConfigError
-from megatron_rembert.run_config import build_config
+from megatron_rembert.run_config.load import build_config
 
 
 def test_string_keys_take_the_text_as_is():

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from megatron_rembert.config import ConfigError
-from megatron_rembert.run_config import check_ranges, load_config
+from megatron_rembert.run_config.checks import check_ranges
+from megatron_rembert.run_config.load import load_config
 from megatron_rembert.training.divergence import (
     DivergenceCheck,
     DivergenceError,

@@ -34,7 +34,7 @@ def _train_with_dropout(rank, world_size, sets):
     from megatron_rembert.model import transformer
     from megatron_rembert.parallel import random as tp_random
     from megatron_rembert.parallel.layers import is_tp_sharded
-    from megatron_rembert.run_config import load_config
+    from megatron_rembert.run_config.load import load_config
     from megatron_rembert.training import engine, loop
     from megatron_rembert.training.full_tensors import local_parameters
 

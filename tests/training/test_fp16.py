@@ -20,7 +20,7 @@ pytestmark = pytest.mark.multiprocess  # every test here starts processes
 def _train_fp16(rank, world_size, sets):
     """train() from configs/tiny.yaml; records, per step, whether the weights changed."""
     allow_cpu_fp16()
-    from megatron_rembert.run_config import load_config
+    from megatron_rembert.run_config.load import load_config
     from megatron_rembert.training import engine, loop
 
     real_step = engine.Trainer.train_step

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatron_rembert.config import ConfigError
-from megatron_rembert.run_config import load_config
+from megatron_rembert.run_config.load import load_config
 from megatron_rembert.training.plan import RunPlan
 from tests.distributed import run_distributed
 from tests.training.production import as_sets, data_overrides, merge_ranks, run_train
@@ -214,7 +214,7 @@ def _two_trainers_worker(rank, world_size) -> dict:
     the fp8 trainer's weights were quantised after each of its own calls, and its validation
     losses."""
     from megatron_rembert.parallel import state
-    from megatron_rembert.run_config import build_config
+    from megatron_rembert.run_config.load import build_config
     from megatron_rembert.training.engine import Trainer
     from megatron_rembert.training.plan import RunPlan
     from tests.training.helpers import micro_batches

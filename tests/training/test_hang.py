@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _train_with_straggler(rank, world_size, sets):
     """pp = 2; stage 1 stalls for twice the timeout before its second step."""
-    from megatron_rembert.run_config import load_config
+    from megatron_rembert.run_config.load import load_config
     from megatron_rembert.training import engine, loop
 
     real_step = engine.Trainer.train_step

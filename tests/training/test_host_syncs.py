@@ -37,7 +37,7 @@ def _trainer_worker(rank, world_size, unpadded: bool, backend: str, recompute: b
     import deepspeed
 
     from megatron_rembert.parallel import state
-    from megatron_rembert.run_config import build_config
+    from megatron_rembert.run_config.load import build_config
     from megatron_rembert.training.engine import Trainer
     from megatron_rembert.training.plan import RunPlan
 

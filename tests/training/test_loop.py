@@ -50,7 +50,7 @@ def losses(log_dir: Path, split: str = "train") -> dict[int, float]:
 
 def _train(rank, world_size, sets, signal_at=None, die_saving_step=None, nan_from=None):
     """Run train() from configs/tiny.yaml; optional faults injected from the outside."""
-    from megatron_rembert.run_config import load_config
+    from megatron_rembert.run_config.load import load_config
     from megatron_rembert.training import checkpoint, engine, loop
 
     real_step = engine.Trainer.train_step
@@ -182,7 +182,8 @@ def test_resume_refuses_other_owner_and_data_then_continues_at_another_dp_and_ba
     continues directly with a global batch of 10 (48 is no multiple: the data skips to sample
     50) and train.steps 6 -> 8 (the 1-sqrt decay reshaped), each said in a notice."""
     from megatron_rembert.checkpoint import CheckpointError
-    from megatron_rembert.run_config import load_config
+    from megatron_rembert.launch_env import LaunchEnv
+    from megatron_rembert.run_config.load import load_config
     from megatron_rembert.training.plan import RunPlan
     from megatron_rembert.training.save_dir import find_resume, run_meta, save_dir_locked
 
@@ -194,7 +195,7 @@ def test_resume_refuses_other_owner_and_data_then_continues_at_another_dp_and_ba
     lock = tmp_path / "ckpt" / ".lock"
     lock.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
     with pytest.raises(CheckpointError, match=rf"is in use by pid {os.getpid()}"):
-        with save_dir_locked(load_config("configs/tiny.yaml", sets)):
+        with save_dir_locked(load_config("configs/tiny.yaml", sets), LaunchEnv()):
             pass  # what train() does first
     lock.unlink()
     other = tmp_path / "other_data"
@@ -231,7 +232,7 @@ def test_resume_refuses_other_owner_and_data_then_continues_at_another_dp_and_ba
 
 def test_resume_from_rolls_back_without_losing_newer(tmp_path, tiny_dataset, uninterrupted):
     """train.resume_from names an older folder: newer ones are moved aside, none deleted."""
-    from megatron_rembert.run_config import load_config
+    from megatron_rembert.run_config.load import load_config
     from megatron_rembert.training.plan import RunPlan
     from megatron_rembert.training.save_dir import find_resume
 

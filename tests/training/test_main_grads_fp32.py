@@ -28,7 +28,7 @@ NO_GRADIENT = "key.bias"
 
 def _trainer(world_size: int, rank: int):
     from megatron_rembert.parallel import state
-    from megatron_rembert.run_config import build_config
+    from megatron_rembert.run_config.load import build_config
     from megatron_rembert.training.engine import Trainer
     from megatron_rembert.training.plan import RunPlan
 

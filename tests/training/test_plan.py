@@ -6,7 +6,10 @@ import json
 import pytest
 
 from megatron_rembert.config import ConfigError
-from megatron_rembert.run_config import CHOICES, build_config, check_ranges, config_help
+from megatron_rembert.run_config.checks import check_ranges
+from megatron_rembert.run_config.help import config_help
+from megatron_rembert.run_config.load import build_config
+from megatron_rembert.run_config.schema import CHOICES
 from megatron_rembert.training.plan import RunPlan
 from tests.distributed import run_distributed
 from tests.training.test_loop import overrides
@@ -15,15 +18,17 @@ from tests.training.test_loop import overrides
 def _count_derivations(rank, world_size, sets, entry="loop"):
     """Run train() from configs/tiny.yaml (entry "loop"), or train.py's main() as torchrun
     starts it (entry "train.py"), counting on this rank every computation of the stage
-    split, of the phase schedule and of P, and recording the plan it built."""
+    split, of the phase schedule and of P, every reading of the launcher's variables, and
+    recording the plan it built."""
     import sys
     from pathlib import Path
 
+    from megatron_rembert import launch_env
     from megatron_rembert.data import masking, schedule
-    from megatron_rembert.run_config import load_config
+    from megatron_rembert.run_config.load import load_config
     from megatron_rembert.training import estimate, loop
 
-    counts = {"stage_plan": 0, "Schedule": 0, "default_max_predictions": 0}
+    counts = {"stage_plan": 0, "Schedule": 0, "default_max_predictions": 0, "launch_env": 0}
     built = []
 
     def counting(name, real):
@@ -34,7 +39,8 @@ def _count_derivations(rank, world_size, sets, entry="loop"):
 
     # Every module holding one of these names gets the counting wrapper, whoever imported it.
     for name, real in (("stage_plan", estimate.stage_plan),
-                       ("default_max_predictions", masking.default_max_predictions)):
+                       ("default_max_predictions", masking.default_max_predictions),
+                       ("launch_env", launch_env.launch_env)):
         wrapper = counting(name, real)
         for module in list(sys.modules.values()):
             if (getattr(module, "__name__", "").startswith("megatron_rembert")
@@ -73,8 +79,9 @@ def _count_derivations(rank, world_size, sets, entry="loop"):
 def test_a_pipeline_run_resolves_its_plan_once_per_rank(tmp_path, tiny_dataset, entry):
     """pp = 2 with validation and a save: on each rank the stage split, the schedule and P are
     computed once (before the plan: 3 stage splits per start, and the schedule again in the
-    loader, the validation set at every evaluation and the checks); the checkpoint records the
-    plan's split and the batches carry the plan's P."""
+    loader, the validation set at every evaluation and the checks) and the launcher's
+    variables read once (before: 3 times, plus raw reads); the checkpoint records the plan's
+    split and the batches carry the plan's P."""
     sets = overrides(tmp_path, *tiny_dataset, **{
         "train.steps": 2, "train.eval_interval": 1, "train.save_interval": 2,
         "optim.decay_start_step": 0,
@@ -82,7 +89,8 @@ def test_a_pipeline_run_resolves_its_plan_once_per_rank(tmp_path, tiny_dataset, 
     results = run_distributed(_count_derivations, 2, sets, entry,
                               init_process_group=entry == "loop")
     for counts, step, boundaries, predictions in results:
-        assert counts == {"stage_plan": 1, "Schedule": 1, "default_max_predictions": 1}
+        assert counts == {"stage_plan": 1, "Schedule": 1, "default_max_predictions": 1,
+                          "launch_env": 1}
         assert step == 2 and boundaries == results[0][2]
         assert predictions == 16  # ceil(32 x 0.3), the schedule's largest rate, to 8s
     meta = json.loads((tmp_path / "ckpt" / "step_00000002" / "meta.json").read_text())

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rembert.config import ConfigError
-from megatron_rembert.run_config import load_config
+from megatron_rembert.run_config.load import load_config
 from megatron_rembert.training.plan import RunPlan
 from tests.distributed import run_distributed
 from tests.training.production import (

@@ -77,7 +77,7 @@ def _overrides(tmp: Path, data, tokenizer, **extra) -> list[str]:
 
 
 def _train(rank, world_size, sets):
-    from megatron_rembert.run_config import load_config
+    from megatron_rembert.run_config.load import load_config
     from megatron_rembert.training import loop
 
     return loop.train(load_config("configs/tiny.yaml", sets))["step"]

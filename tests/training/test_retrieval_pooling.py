@@ -12,7 +12,7 @@ import torch
 
 from megatron_rembert.model.rembert import RemBertForPreTraining
 from megatron_rembert.model.retrieval import mean_pool
-from megatron_rembert.run_config import load_config
+from megatron_rembert.run_config.load import load_config
 from megatron_rembert.training import retrieval
 from tests.training.conftest import SEQ
 

@@ -29,8 +29,8 @@ VOCAB = 1024  # the dataset's 1000 pieces, padded by the model to 1024 anyway: n
 # The mask rate falls from 0.3 to 0.1 over the first half, then stays at 0.1.
 SCHEDULE = {"data.phase_starts": "[0.0, 0.5]", "data.phase_mask_prob": "[0.3, 0.1]",
             "data.mask_schedule": "linear"}
-STARTUP_STAGES = ["imports and settings", "rendezvous", "data checks", "model", "engine",
-                  "resume", "loader"]
+STARTUP_STAGES = ["settings", "training imports", "rendezvous", "data checks", "model",
+                  "engine", "resume", "loader"]
 
 
 def _train(run: Path, tiny_dataset, **extra) -> subprocess.CompletedProcess:
