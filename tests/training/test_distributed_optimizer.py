@@ -31,7 +31,7 @@ NO_GRADIENT = "key.bias"
 
 def _model(dtype=torch.float32):
     from megatron_rembert.model.rembert import RemBertForPreTraining
-    from megatron_rembert.run_config import build_config
+    from megatron_rembert.run_config.load import build_config
 
     config = build_config({"model": {"preset": "tiny"}}, [])
     model = RemBertForPreTraining(config.model)
@@ -159,7 +159,7 @@ def test_equals_one_process(optimizer, dp):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("dp", [2, 4])
 def test_bytes_per_parameter(dp):
-    from megatron_rembert.run_config import build_config
+    from megatron_rembert.run_config.load import build_config
     from megatron_rembert.training.communication import step_collectives
     from megatron_rembert.training.plan import RunPlan
 
