@@ -15,8 +15,12 @@ than their precision.
 `_scaled_mm` on CUDA takes mat1 row-major and mat2 column-major, with the reduction dimension
 and mat2's columns multiples of GEMM_MULTIPLE; the CPU kernel checks none of this, so every
 call here builds those layouts explicitly (`row_major`, `col_major`) and a CPU test asserts
-the strides it passes. Per-tensor math only: the all-reduce that agrees a scale over the TP
-group lives in parallel/fp8.py.
+the strides it passes. Off CUDA the product is `fp32_scaled_mm`: torch's CPU `_scaled_mm` is a
+slow reference (about 100x slower than an fp32 matmul at the model's sizes), and fp8 values
+and their products are exact in fp32, so the fp32 GEMM computes the same numbers up to the
+order of the fp32 sums (tests/kernels/test_fp8_gemm.py holds the two against each other).
+Per-tensor math only: the all-reduce that agrees a scale over the TP group lives in
+parallel/fp8.py.
 """
 
 from __future__ import annotations
@@ -77,11 +81,24 @@ def col_major(t: torch.Tensor) -> torch.Tensor:
     return t if is_col_major(t) else t.t().contiguous().t()
 
 
+def fp32_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
+                   scale_b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """`torch._scaled_mm`'s product computed as an fp32 GEMM: the fp8 operands widened
+    (exactly), multiplied and summed in fp32, scaled, rounded once to `out_dtype`."""
+    return ((a.float() @ b.float()) * (scale_a * scale_b)).to(out_dtype)
+
+
+def _gemm(device: torch.device):
+    """The fp8 GEMM for `device`: cuBLASLt's through `torch._scaled_mm` on CUDA, the fp32 GEMM
+    elsewhere."""
+    return torch._scaled_mm if device.type == "cuda" else fp32_scaled_mm
+
+
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_inv_scale: torch.Tensor,
               b_inv_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """(a / scale_a) @ (b / scale_b) in `out_dtype`: a (M x K) and b (K x N) fp8, passed
     row-major and column-major; at most one of them e5m2 (cuBLASLt has no e5m2 x e5m2)."""
     if a.dtype == b.dtype == E5M2:
         raise ValueError("scaled_mm: both operands e5m2, which CUDA's fp8 GEMM refuses")
-    return torch._scaled_mm(row_major(a), col_major(b), scale_a=a_inv_scale,
-                            scale_b=b_inv_scale, out_dtype=out_dtype)
+    return _gemm(a.device)(row_major(a), col_major(b), scale_a=a_inv_scale,
+                           scale_b=b_inv_scale, out_dtype=out_dtype)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from bench import fp8_gpu, gpu_table
+from megatron_rembert.kernels import fp8 as fp8_kernels
 from megatron_rembert.run_config.load import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,7 +52,7 @@ def test_model_step_runs_the_fp8_gemms_only_when_asked(bench, monkeypatch, fp8):
             step(batch)
         return 1.0  # seconds per step: not measured here
 
-    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    monkeypatch.setattr(fp8_kernels, "_gemm", lambda device: spy)
     monkeypatch.setattr(bench, "timed", each_step_once)
     config = bench.DEMO_MODEL.replace(num_hidden_layers=1)
     result = bench.model_step(config, 2, 16, 1, torch.device("cpu"), fp8, lambda: None)

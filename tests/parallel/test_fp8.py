@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rembert.config import ModelConfig
+from megatron_rembert.kernels import fp8 as fp8_kernels
 from megatron_rembert.model.rembert import RemBertForPreTraining
 from megatron_rembert.model.transformer import TransformerLayer
 from megatron_rembert.parallel import fp8, state
@@ -119,7 +120,9 @@ def test_linear_is_within_fp8_error_of_the_plain_linear(kind):
 def test_gemm_operands_have_the_layouts_cuda_requires(monkeypatch):
     """The CPU kernel takes any strides; CUDA's needs mat1 row-major, mat2 column-major, the
     reduction dimension and mat2's columns multiples of 16, fp32 scalar scales and at most one
-    e5m2 operand. Checked on every call of a forward and backward (21 tokens: padded)."""
+    e5m2 operand. Checked on every call of a forward and backward (21 tokens: padded), each
+    passed on to torch's `_scaled_mm` (off CUDA the layers use an fp32 GEMM of the same
+    operands)."""
     calls = []
     real = torch._scaled_mm
 
@@ -128,7 +131,7 @@ def test_gemm_operands_have_the_layouts_cuda_requires(monkeypatch):
                       scale_a.dtype, scale_a.numel(), scale_b.dtype, scale_b.numel()))
         return real(a, b, scale_a, scale_b, **kwargs)
 
-    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    monkeypatch.setattr(fp8_kernels, "_gemm", lambda device: spy)
     layer = make_layer(RowParallelLinear, 64, 48, torch.bfloat16)
     fp8.enable_fp8([layer])
     run_layer(layer, *inputs(64, 48, torch.bfloat16))
