@@ -109,6 +109,9 @@ class Fp8Gemm:
         self._key: tuple | None = None
         self._generation = 0  # bumped by invalidate(): the cached copy is stale
         self.refreshes = 0  # how many times the weight was quantised (tests read it)
+        # Made here, not as a decorator: `torch.compiler.disable` imports dynamo (about 1 s
+        # of every process's start-up), which a run without fp8 never needs.
+        self._outside_graph = torch.compiler.disable(self._gemm)
 
     def invalidate(self) -> None:
         """The weight is re-quantised at its next use."""
@@ -121,8 +124,10 @@ class Fp8Gemm:
             self.refreshes += 1
         return self._weight
 
-    @torch.compiler.disable
     def __call__(self, x: torch.Tensor, weight: nn.Parameter) -> torch.Tensor:
+        return self._outside_graph(x, weight)
+
+    def _gemm(self, x: torch.Tensor, weight: nn.Parameter) -> torch.Tensor:
         w = self.cached_weight(weight)
         # 2-D in and out: a view made inside a custom Function could not be all-reduced in
         # place (reduce_from_tp) afterwards.
