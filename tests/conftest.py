@@ -7,6 +7,11 @@ the GPU tests alone (`pytest -m gpu`) leaves it unset: they run the compiled ker
 Tests marked `gpu` need a CUDA device: without one they are skipped, with that reason (the
 one rule for them, `pytest_collection_modifyitems` below).
 
+The suite runs in two pytest-xdist workers, a test file at a time (pyproject's addopts:
+`-n 2 --dist loadfile`; `-n 0` runs it in this process). Files with tests that start processes
+(the long ones) are handed out first, so the two workers end together instead of one of them
+finishing a long file alone.
+
 A test that starts processes (gloo ranks, torchrun, train.py or a data tool as a process,
 the loader's worker processes, SLURM jobs) is marked `multiprocess`, so that
 `pytest -m "not multiprocess"` is a quick loop (README, "Tests"). The mark is kept true: an
@@ -30,7 +35,13 @@ def pytest_configure(config):
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _starts_processes(item) -> bool:
+    return item.get_closest_marker("multiprocess") is not None
+
+
 def pytest_collection_modifyitems(config, items):
+    long_files = {item.path for item in items if _starts_processes(item)}
+    items.sort(key=lambda item: item.path not in long_files)  # stable: file order kept
     gpu = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu:
         return
@@ -94,7 +105,7 @@ class _NoProcesses:
 
 
 def _guarded(item):
-    if item.get_closest_marker("multiprocess") is not None:
+    if _starts_processes(item):
         yield
         return
     with _NoProcesses(item.nodeid):

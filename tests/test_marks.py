@@ -35,7 +35,7 @@ def test_gpu_tests_are_collected_and_skipped_without_cuda():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    run = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-rs", "-q",
+    run = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-rs", "-q", "-n", "0",
                           "-p", "no:cacheprovider", *GPU_TEST_FILES], cwd=root,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:]
