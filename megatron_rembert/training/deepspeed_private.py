@@ -9,16 +9,26 @@ later in an AttributeError or, worse, training differently.
 
 from __future__ import annotations
 
-# class path -> the private attributes we use on it (methods or attributes set in __init__)
+from pathlib import Path
+
+# class path -> the private names we use on it or its instances: methods and class attributes,
+# or instance attributes its code assigns (`self._topo = ...`). tests/training/
+# test_deepspeed_private.py derives the names the package uses from its code and checks that
+# each is here (or in the built-optimizer tables below) and used in no other module.
 PRIVATE_NAMES = {
-    "deepspeed.runtime.pipe.module.PipelineModule": ("_partition_layers", "_set_bounds"),
+    "deepspeed.runtime.pipe.module.PipelineModule": ("_partition_layers", "_set_bounds",
+                                                     "_topo"),
     "deepspeed.runtime.pipe.engine.PipelineEngine": ("_INSTRUCTION_MAP",),
     # copies zero_to_fp32.py into a ZeRO checkpoint mid-save (training/checkpoint.py holds
-    # its failure like the engine's other writes)
-    "deepspeed.runtime.engine.DeepSpeedEngine": ("_copy_recovery_script",),
-    "deepspeed.runtime.bf16_optimizer.BF16_Optimizer": ("_lazy_init_hp_params_optimizer_state",),
+    # its failure like the engine's other writes); `_config`: what a checkpoint engine is
+    # built from
+    "deepspeed.runtime.engine.DeepSpeedEngine": ("_copy_recovery_script", "_config"),
+    # `_hp_mapping`: where a parameter's fragment lies in the flat fp32 partition
+    "deepspeed.runtime.bf16_optimizer.BF16_Optimizer": (
+        "_lazy_init_hp_params_optimizer_state", "_global_grad_norm", "_hp_mapping"),
     "deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer": (
-        "_lazy_init_hp_params_optimizer_state", "_link_all_hp_params"),
+        "_lazy_init_hp_params_optimizer_state", "_link_all_hp_params", "_global_grad_norm",
+        "_hp_mapping"),
 }
 # Instance attributes of a built BF16_Optimizer that training/main_grads.py reads.
 BF16_BUFFERS = ("bf16_groups", "fp32_groups_gradients", "fp32_groups_gradients_flat",
@@ -56,8 +66,21 @@ def _missing(message: str) -> DeepSpeedVersionError:
         f"deepspeed=={SUPPORTED}.*")
 
 
+def _assigns(cls, name: str) -> bool:
+    """Whether the module of `cls`, or of one of its DeepSpeed bases, assigns `x.name = ...`
+    (an instance attribute: `hasattr` on the class cannot see it)."""
+    import inspect
+    import re
+
+    assignment = re.compile(rf"\.{re.escape(name)}\s*(:[^=\n]*)?=(?!=)")
+    files = {inspect.getsourcefile(klass) for klass in cls.__mro__
+             if klass.__module__.startswith("deepspeed")}
+    return any(assignment.search(Path(f).read_text()) for f in files if f)
+
+
 def check_private_names() -> None:
-    """Raise DeepSpeedVersionError naming the first private name this DeepSpeed lacks."""
+    """Raise DeepSpeedVersionError naming the first private name this DeepSpeed lacks: not an
+    attribute of its class, nor assigned by the class's code."""
     import importlib
 
     for path, names in PRIVATE_NAMES.items():
@@ -66,7 +89,7 @@ def check_private_names() -> None:
         if cls is None:
             raise _missing(f"no class {path}")
         for name in names:
-            if not hasattr(cls, name):
+            if not hasattr(cls, name) and not _assigns(cls, name):
                 raise _missing(f"{path} has no {name}")
 
 
