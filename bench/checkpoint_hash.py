@@ -27,8 +27,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from megatron_rembert.launch_env import launch_env, publish
-
 # The smallest run (seconds): tests/bench/test_every_bench.py.
 TINY_ARGS = ["--hidden", "64", "--layers", "1", "--vocab", "1000", "--reps", "1"]
 
@@ -42,30 +40,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dir", help="where to write (default: a temporary folder)")
     args = parser.parse_args(argv)
 
-    import deepspeed
     import torch
     from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
+    from bench.common import checkpoint_trainer
     from megatron_rembert.checkpoint.step_folder import step_tag
     from megatron_rembert.parallel import random as tp_random
-    from megatron_rembert.parallel import state
-    from megatron_rembert.run_config.load import build_config
     from megatron_rembert.training import checkpoint as ckpt
-    from megatron_rembert.training.engine import Trainer
-    from megatron_rembert.training.plan import RunPlan
 
-    publish(launch_env(default_port=29533))
-    deepspeed.init_distributed(dist_backend="gloo")
-    model = {"preset": "tiny", "vocab_size": args.vocab, "hidden_size": args.hidden,
-             "num_hidden_layers": args.layers, "num_attention_heads": 8,
-             "intermediate_size": 4 * args.hidden, "input_embedding_size": 128,
-             "output_embedding_size": 256}
-    config = build_config({"model": model}, [
-        "parallel.zero_stage=1", "train.precision=fp32", "train.global_batch_size=2",
-        "train.micro_batch_size=2", "data.seq_length=32"])
-    plan = RunPlan.build(config, 1)
-    state.initialize_model_parallel(plan.layout)
-    trainer = Trainer(config, plan, torch.device("cpu"))
+    trainer, config = checkpoint_trainer(args.hidden, args.layers, args.vocab, port=29533)
     engine = trainer.engine
     params = sum(p.numel() for p in engine.module.parameters())
     meta = {"config": config.to_dict(), "tokenizer_sha256": None,

@@ -70,3 +70,28 @@ def hf_labels(batch: dict) -> torch.Tensor:
     """transformers' labels for `batch`: -100 except at the masked positions."""
     labels = torch.full_like(batch["input_ids"], -100)
     return labels.scatter(1, batch["masked_positions"], batch["masked_labels"])
+
+
+def checkpoint_trainer(hidden: int, layers: int, vocab: int, port: int):
+    """One process (gloo) with the trainer of a scaled RemBERT in fp32 under ZeRO-1: what the
+    checkpoint benches save. Returns (trainer, config)."""
+    import deepspeed
+
+    from megatron_rembert.launch_env import launch_env, publish
+    from megatron_rembert.parallel import state
+    from megatron_rembert.run_config.load import build_config
+    from megatron_rembert.training.engine import Trainer
+    from megatron_rembert.training.plan import RunPlan
+
+    publish(launch_env(default_port=port))
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = {"preset": "tiny", "vocab_size": vocab, "hidden_size": hidden,
+             "num_hidden_layers": layers, "num_attention_heads": 8,
+             "intermediate_size": 4 * hidden, "input_embedding_size": 128,
+             "output_embedding_size": 256}
+    config = build_config({"model": model}, [
+        "parallel.zero_stage=1", "train.precision=fp32", "train.global_batch_size=2",
+        "train.micro_batch_size=2", "data.seq_length=32"])
+    plan = RunPlan.build(config, 1)
+    state.initialize_model_parallel(plan.layout)
+    return Trainer(config, plan, torch.device("cpu")), config

@@ -172,20 +172,36 @@ def to_host(tensor: torch.Tensor) -> list[float]:
     return tensor.tolist()
 
 
+def new_host_group():
+    """A gloo group of every rank for host-side agreement off the training thread (the
+    background checkpoint writer): its collectives never interleave with those the training
+    issues on the default group. Every rank must call this, in the same order."""
+    return dist.new_group(backend="gloo") if is_initialized() else None
+
+
+def _host_sum(value: float, host_group) -> float:
+    work = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(work, group=host_group)
+    return float(work[0])
+
+
 @contextmanager
 def agree_or_raise(catch: type[BaseException] | tuple[type[BaseException], ...],
-                   failure: Callable[[BaseException | None, int], BaseException]
-                   ) -> Iterator[None]:
+                   failure: Callable[[BaseException | None, int], BaseException],
+                   host_group=None) -> Iterator[None]:
     """Run the block on every rank, then agree in one collective (also a barrier) whether it
     failed on any: an error of type `catch` is held until then, so no rank is left waiting in
     a collective that a failed rank never reaches. When n ranks failed, every rank raises
-    `failure(its own error or None, n)` (`failure` may return the error itself)."""
+    `failure(its own error or None, n)` (`failure` may return the error itself).
+    `host_group` (from `new_host_group`): agree on CPU over that group instead."""
     error = None
     try:
         yield
     except catch as err:
         error = err
-    (failed,) = all_reduce_values([0.0 if error is None else 1.0])
+    flag = 0.0 if error is None else 1.0
+    (failed,) = ([_host_sum(flag, host_group)] if host_group is not None
+                 else all_reduce_values([flag]))
     if error is None and not failed:
         return
     raised = failure(error, int(failed))

@@ -115,6 +115,13 @@ class TrainConfig:
             "schedules stay by steps"))
     keep_last: int = setting(3,
                              help="checkpoints kept in save_dir (older step folders are deleted)")
+    async_save: bool = setting(
+        False,
+        help=(
+            "Write checkpoints in the background: the step waits only while the state is "
+            "copied off the training buffers; files, hashes, manifest and `latest` follow in "
+            "a thread. A save waits for the previous one, the end of the run and a stop wait "
+            "for the last; `latest` moves only when every rank's files are complete"))
     save_dir: str = setting("runs/checkpoints",
                             help="folder of the step_* checkpoints and `latest`")
     resume_from: str = setting(

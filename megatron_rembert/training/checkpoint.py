@@ -12,11 +12,15 @@ refused, never run, even in a checkpoint that predates manifests.
 
 from __future__ import annotations
 
+import copy as copy_module
 import errno
 import json
 import math
 import os
 import shutil
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +41,6 @@ from megatron_rembert.checkpoint.step_folder import (
     verify,
 )
 from megatron_rembert.fs import (
-    HashingFile,
     WriteError,
     atomic_write_json,
     sha256_file,
@@ -59,20 +62,57 @@ class ResumeState:
     consumed_samples: int
 
 
+def snapshot(obj, memo: dict | None = None):
+    """A copy of a state dict that later training steps cannot change, which `torch.save`
+    writes to the same bytes: every tensor storage copied once (tensors that shared one share
+    its copy, with their offsets and strides), containers rebuilt, other values deep-copied,
+    and an object met twice copied once (`memo`, as `copy.deepcopy`'s: the pickle refers back
+    to it as it did)."""
+    memo = {} if memo is None else memo
+    if id(obj) in memo:
+        return memo[id(obj)]
+    if isinstance(obj, torch.Tensor):
+        storage = obj.untyped_storage()
+        key = ("storage", obj.device, storage.data_ptr(), storage.nbytes())
+        if key not in memo:
+            memo[key] = storage.clone()
+        copy = torch.empty(0, dtype=obj.dtype, device=obj.device)
+        copy.set_(memo[key], obj.storage_offset(), obj.size(), obj.stride())
+        copy = (torch.nn.Parameter(copy, requires_grad=obj.requires_grad)
+                if isinstance(obj, torch.nn.Parameter) else copy.requires_grad_(obj.requires_grad))
+    elif type(obj) in (dict, OrderedDict):
+        copy = type(obj)((k, snapshot(v, memo)) for k, v in obj.items())
+        if hasattr(obj, "__dict__"):  # a module's state dict carries `_metadata` (versions)
+            copy.__dict__.update(copy_module.deepcopy(obj.__dict__, memo))
+    elif type(obj) in (list, tuple):  # exactly: torch.Size and named tuples are values
+        copy = type(obj)(snapshot(v, memo) for v in obj)
+    else:
+        return copy_module.deepcopy(obj, memo)
+    memo[id(obj)] = copy
+    memo.setdefault("originals", []).append(obj)  # ids stay unique while the memo lives
+    return copy
+
+
 class GuardedCheckpointEngine(TorchCheckpointEngine):
-    """DeepSpeed's torch checkpoint engine, hashing what it saves and loading weights only."""
+    """DeepSpeed's torch checkpoint engine, collecting what a save writes (the files are
+    written afterwards by `_write_files`, in this thread or in the background) and loading
+    weights only."""
 
     def __init__(self, config_params=None):
         super().__init__(config_params)
         self.records: dict[str, dict] = {}  # absolute path -> {"size", "sha256"}
+        self.files: list[tuple[str, object]] = []  # (path, state) of this save, to write
+        self.copy = False  # snapshot each state: it is written after training goes on
         # The first failed write of this save (a full disk, a lost mount), held until
         # DeepSpeed's save_checkpoint returns: raised inside it, it would leave this rank out
         # of the barriers DeepSpeed's save runs between its writes, and the other ranks
         # waiting there until the collective timeout.
         self.failed: WriteError | None = None
 
-    def start_save(self) -> None:
+    def start_save(self, copy: bool = False) -> None:
         self.records.clear()
+        self.files = []
+        self.copy = copy
         self.failed = None
 
     def makedirs(self, path, exist_ok=False) -> None:
@@ -84,10 +124,13 @@ class GuardedCheckpointEngine(TorchCheckpointEngine):
                 self.failed = err
 
     def save(self, state_dict, path: str) -> None:
+        self.files.append((path, snapshot(state_dict) if self.copy else state_dict))
+
+    def write(self, state_dict, path: str) -> None:
         # torch.save writes a path from C++ several times faster than through a Python file
         # object, so the file is hashed right after, from the page cache, by the rank that
         # wrote it (bench/checkpoint_hash.py).
-        if self.failed is not None:  # this save is lost already; DeepSpeed goes on to its end
+        if self.failed is not None:  # this save is lost already; the others go on to its end
             return
         try:
             with write_errors(path):  # a full disk: torch raises a RuntimeError
@@ -129,15 +172,46 @@ def _guard(engine) -> GuardedCheckpointEngine:
     return current
 
 
+class PendingSave:
+    """A save whose files are written in a background thread. `wait()` (every rank) returns
+    the folder once it is complete and `latest`, or raises what the save raised."""
+
+    def __init__(self, folder: Path, work: Callable[[], None]):
+        self.folder = folder
+        self.error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                work()
+            except BaseException as err:  # handed to the training thread by wait()
+                self.error = err
+
+        # A daemon: a crash of the training thread does not wait for the write; the folder
+        # then has no `complete` and `latest` still names the previous checkpoint.
+        self.thread = threading.Thread(target=run, name=f"save {folder.name}", daemon=True)
+        self.thread.start()
+
+    def wait(self) -> Path:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.folder
+
+
+_HOST_GROUP = []  # the gloo group of the background writers, made at the first background save
+
+
 def save_checkpoint(engine, save_dir: str | Path, step: int, consumed_samples: int, meta: dict,
-                    keep_last: int, max_weight_abs: float = math.inf) -> Path:
-    """Every rank calls this; returns the new folder once it is complete and `latest`.
+                    keep_last: int, max_weight_abs: float = math.inf,
+                    background: bool = False) -> Path | PendingSave:
+    """Every rank calls this; returns the new folder once it is complete and `latest`, or with
+    `background`, a PendingSave as soon as the state is copied (its `wait()` gives the folder).
 
     Refuses (divergence.DivergenceError, nothing written) unless every weight is finite and
     within +-`max_weight_abs` (train.max_weight_abs); a failed write (full disk, read-only
     file system, lost mount: whatever exception the writer raised, see fs.write_errors)
-    raises the same `WriteError` on every rank and leaves `latest` naming the last good
-    checkpoint.
+    raises the same `WriteError` on every rank (from `wait()` in the background) and leaves
+    `latest` naming the last good checkpoint.
     """
     save_dir = Path(save_dir)
     folder = save_dir / step_tag(step)
@@ -146,7 +220,12 @@ def save_checkpoint(engine, save_dir: str | Path, step: int, consumed_samples: i
         clear_save_paths(save_dir, folder)
     comm.barrier()
     guard = _guard(engine)
-    guard.start_save()
+    guard.start_save(copy=background)
+    host_group = None
+    if background:
+        if not _HOST_GROUP:
+            _HOST_GROUP.append(comm.new_host_group())
+        host_group = _HOST_GROUP[0]
 
     def failure(error: BaseException | None, ranks: int) -> WriteError:
         # A full disk, a read-only file system, a lost mount: said the same way on every rank
@@ -156,10 +235,29 @@ def save_checkpoint(engine, save_dir: str | Path, step: int, consumed_samples: i
                           f"saving failed on {ranks} rank(s){reason}; {save_dir / LATEST} "
                           "still names the last good checkpoint", str(folder))
 
-    try:
+    def removing_a_partial_folder(block: Callable[[], None]) -> None:
+        try:
+            block()
+        except (CheckpointError, OSError):
+            if comm.rank() == 0 and not (folder / COMPLETE).exists():
+                shutil.rmtree(folder, ignore_errors=True)  # the partial folder of a failed save
+            raise
+
+    def collect() -> None:  # DeepSpeed's states (copied in the background case), RNG states
         with comm.agree_or_raise(OSError, failure):
-            _save_files(engine, guard, save_dir, folder, step, consumed_samples)
-        with comm.agree_or_raise(OSError, failure):
+            engine.save_checkpoint(str(save_dir), tag=folder.name, save_latest=False,
+                                   client_state={"step": step,
+                                                 "consumed_samples": consumed_samples})
+            if guard.failed is not None:  # held through DeepSpeed's barriers
+                raise guard.failed
+        rng = tp_random.get_rng_states()
+        guard.files.append((str(folder / "rng" / f"rank_{comm.rank():05d}.pt"),
+                            snapshot(rng) if background else rng))
+
+    def write_and_commit() -> None:
+        with comm.agree_or_raise(OSError, failure, host_group):
+            _write_files(guard, folder)
+        with comm.agree_or_raise(OSError, failure, host_group):
             if comm.rank() == 0:
                 records = {}  # a part not seen here only means write_manifest hashes those again
                 for part in sorted((folder / RECORDS).glob("rank_*.json")):
@@ -168,25 +266,21 @@ def save_checkpoint(engine, save_dir: str | Path, step: int, consumed_samples: i
                 commit(save_dir, folder,
                        {**meta, "step": step, "consumed_samples": consumed_samples},
                        records, keep_last)
-    except (CheckpointError, OSError):
-        if comm.rank() == 0 and not (folder / COMPLETE).exists():
-            shutil.rmtree(folder, ignore_errors=True)  # the partial folder of a failed save
-        raise
+
+    removing_a_partial_folder(collect)
+    if background:
+        return PendingSave(folder, lambda: removing_a_partial_folder(write_and_commit))
+    removing_a_partial_folder(write_and_commit)
     return folder
 
 
-def _save_files(engine, guard: GuardedCheckpointEngine, save_dir: Path, folder: Path,
-                step: int, consumed_samples: int) -> None:
-    """This rank's files of the step folder: DeepSpeed's, its RNG states, and its hashes."""
-    engine.save_checkpoint(str(save_dir), tag=folder.name, save_latest=False,
-                           client_state={"step": step, "consumed_samples": consumed_samples})
-    if guard.failed is not None:  # held through DeepSpeed's barriers (GuardedCheckpointEngine)
+def _write_files(guard: GuardedCheckpointEngine, folder: Path) -> None:
+    """This rank's files of the step folder (DeepSpeed's and its RNG states), then its hashes."""
+    for path, state in guard.files:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        guard.write(state, path)
+    if guard.failed is not None:
         raise guard.failed
-    rng_file = folder / "rng" / f"rank_{comm.rank():05d}.pt"
-    rng_file.parent.mkdir(parents=True, exist_ok=True)
-    with write_errors(rng_file), HashingFile(rng_file) as f:
-        torch.save(tp_random.get_rng_states(), f)
-    guard.records[str(rng_file.resolve())] = f.record()
     # Each rank's hashes, as paths relative to the folder (nodes may mount it elsewhere),
     # go into a small file of their own; rank 0 merges them into the manifest.
     root = folder.resolve()

@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import socket
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -125,9 +126,14 @@ def test_signal_saves_and_resume_matches(tmp_path, tiny_dataset, uninterrupted):
         assert resumed[step] == pytest.approx(loss, rel=1e-6), f"step {step}"
 
 
-def test_kill_during_save_keeps_previous_checkpoint(tmp_path, tiny_dataset, uninterrupted):
+@pytest.mark.parametrize("background", [False, True], ids=["save", "background-save"])
+def test_kill_during_save_keeps_previous_checkpoint(tmp_path, tiny_dataset, uninterrupted,
+                                                    background):
+    """Killed while writing step 4's files (train.async_save: in the writer thread, after
+    training went on): `latest` still names step 2, and the rerun continues from it."""
     uninterrupted, uninterrupted_valid, _ = uninterrupted
-    sets = overrides(tmp_path, *tiny_dataset, **{"train.save_interval": 2})
+    sets = overrides(tmp_path, *tiny_dataset, **{"train.save_interval": 2,
+                                                  "train.async_save": background})
     with pytest.raises(AssertionError, match="hung or died"):
         run_distributed(_train, 1, sets, None, 4, timeout=120)
     ckpt = tmp_path / "ckpt"
@@ -146,6 +152,35 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, tiny_dataset, unin
     for lang, numbers in two.items():
         assert one[lang]["masked_tokens"] == numbers["masked_tokens"], lang
         assert one[lang]["loss"] == pytest.approx(numbers["loss"], rel=1e-6), lang
+
+
+def _pt_contents(folder: Path) -> dict[str, dict[str, bytes]]:
+    """Every .pt file's zip records (torch.save's pickle and storages), less the id torch
+    draws for each save (`.data/serialization_id`)."""
+    return {str(path.relative_to(folder)): {name: archive.read(name)
+                                            for name in archive.namelist()
+                                            if not name.endswith("serialization_id")}
+            for path in sorted(folder.rglob("*.pt"))
+            for archive in [zipfile.ZipFile(path)]}
+
+
+def test_background_saves_write_what_a_save_writes(tmp_path, tiny_dataset, uninterrupted):
+    """train.async_save at 2 ranks, saving every 2 steps: the same losses as the run that
+    saved only at the end, and its last checkpoint's files byte for byte those that run
+    wrote in the foreground; every kept step complete, `latest` the last."""
+    uninterrupted, _, foreground = uninterrupted
+    sets = overrides(tmp_path, *tiny_dataset, **{"train.save_interval": 2,
+                                                  "train.async_save": True})
+    assert run_distributed(_train, 2, sets) == [STEPS, STEPS]
+    assert losses(tmp_path / "logs") == uninterrupted
+    ckpt = tmp_path / "ckpt"
+    assert (ckpt / "latest").read_text().strip() == f"step_{STEPS:08d}"
+    last = f"step_{STEPS:08d}"
+    kept = sorted(ckpt.glob("step_*"))
+    assert kept[-1].name == last and all((folder / "complete").exists() for folder in kept)
+    contents = _pt_contents(ckpt / last)
+    assert len(contents) == 5  # model states, 2 ranks' optimizer states and RNG states
+    assert contents == _pt_contents(foreground / last)
 
 
 def test_non_finite_losses_stop_and_keep_last_good(tmp_path, tiny_dataset):
