@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -190,6 +192,36 @@ def test_hf_export_writes_the_masters(matrix, combo, command, tmp_path):
     for hf, ours in names:
         expected = _unpadded(run["masters"][ours], shapes[ours])
         assert torch.equal(written[hf], expected), hf
+
+
+@COMBOS
+def test_rembert_eval_reads_the_masters(matrix, combo):
+    """rembert-eval's encoder (eval/encoder.py) gets the fp32 masters of every checkpoint,
+    bf16 and fp16 under ZeRO included, not their training-dtype copies."""
+    from megatron_rembert.eval.encoder import ENCODER_PREFIX, _checkpoint_weights
+
+    run = matrix[combo]
+    weights = _checkpoint_weights(run["step"])
+    with CheckpointReader(StepFolder.open(run["step"])) as reader:
+        specs = {s.name: s for s in reader.specs if s.name.startswith(ENCODER_PREFIX)}
+    assert sorted(weights) == sorted(n.removeprefix(ENCODER_PREFIX) for n in specs)
+    for name, spec in specs.items():
+        got = weights[name.removeprefix(ENCODER_PREFIX)]
+        assert torch.equal(_unpadded(got, spec.shape), _unpadded(run["masters"][name],
+                                                                 spec.shape)), name
+
+
+def test_convert_as_users_run_it_prints_no_deepspeed_noise(matrix, tmp_path):
+    """`python -m megatron_rembert.convert to-hf` on a bf16 ZeRO-1 checkpoint, as a process:
+    it works, and DeepSpeed's routine lines (the accelerator it chose, a cached op "built
+    successfully") are not printed."""
+    run = matrix[("bf16", 1)]
+    done = subprocess.run([sys.executable, "-m", "megatron_rembert.convert", "to-hf",
+                           "--checkpoint", str(run["step"]), "--out", str(tmp_path / "hf")],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    said = done.stdout + done.stderr
+    assert done.returncode == 0, said[-3000:]
+    assert "Setting accelerator" not in said and "built successfully" not in said, said
 
 
 @COMBOS
