@@ -16,25 +16,18 @@ blocking / foreground is printed last (the issue's bound: 0.25).
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import tempfile
 import time
 from pathlib import Path
 
-from bench.common import write_json
+from bench.common import CHECKPOINT_TINY_ARGS, checkpoint_meta, checkpoint_parser, write_json
 
-# The smallest run (seconds): tests/bench/test_every_bench.py.
-TINY_ARGS = ["--hidden", "64", "--layers", "1", "--vocab", "1000", "--reps", "1"]
+TINY_ARGS = CHECKPOINT_TINY_ARGS
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=30000)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--dir", help="where to write (default: a temporary folder)")
+    parser = checkpoint_parser(__doc__.splitlines()[0])
     parser.add_argument("--json", help="also write the figures to this JSON file")
     args = parser.parse_args(argv)
 
@@ -44,8 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     trainer, config = checkpoint_trainer(args.hidden, args.layers, args.vocab, port=29534)
     engine = trainer.engine
     params = sum(p.numel() for p in engine.module.parameters())
-    meta = {"config": config.to_dict(), "tokenizer_sha256": None,
-            "layout": {"tp": 1, "pp": 1, "dp": 1}}
+    meta = checkpoint_meta(config)
     root = Path(args.dir or tempfile.mkdtemp(prefix="async_save."))
     times: dict[str, list[float]] = {"foreground": [], "blocking": [], "background": []}
     step = 0

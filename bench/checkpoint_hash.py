@@ -19,7 +19,6 @@ than on a cluster file system, so the ratios are upper bounds of what hashing ad
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 import shutil
@@ -27,17 +26,13 @@ import tempfile
 import time
 from pathlib import Path
 
-# The smallest run (seconds): tests/bench/test_every_bench.py.
-TINY_ARGS = ["--hidden", "64", "--layers", "1", "--vocab", "1000", "--reps", "1"]
+from bench.common import CHECKPOINT_TINY_ARGS, checkpoint_meta, checkpoint_parser
+
+TINY_ARGS = CHECKPOINT_TINY_ARGS
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=30000)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--dir", help="where to write (default: a temporary folder)")
+    parser = checkpoint_parser(__doc__.splitlines()[0])
     args = parser.parse_args(argv)
 
     import torch
@@ -51,8 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     trainer, config = checkpoint_trainer(args.hidden, args.layers, args.vocab, port=29533)
     engine = trainer.engine
     params = sum(p.numel() for p in engine.module.parameters())
-    meta = {"config": config.to_dict(), "tokenizer_sha256": None,
-            "layout": {"tp": 1, "pp": 1, "dp": 1}}
+    meta = checkpoint_meta(config)
     root = Path(args.dir or tempfile.mkdtemp(prefix="checkpoint_hash."))
 
     def plain(i: int) -> None:

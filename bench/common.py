@@ -72,6 +72,29 @@ def hf_labels(batch: dict) -> torch.Tensor:
     return labels.scatter(1, batch["masked_positions"], batch["masked_labels"])
 
 
+# The smallest run of a checkpoint bench (seconds): tests/bench/test_every_bench.py.
+CHECKPOINT_TINY_ARGS = ["--hidden", "64", "--layers", "1", "--vocab", "1000", "--reps", "1"]
+
+
+def checkpoint_parser(description: str):
+    """The arguments the checkpoint benches share: the scaled model, repetitions, folder."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=30000)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--dir", help="where to write (default: a temporary folder)")
+    return parser
+
+
+def checkpoint_meta(config) -> dict:
+    """meta.json's fields a one-process save of `config` records."""
+    return {"config": config.to_dict(), "tokenizer_sha256": None,
+            "layout": {"tp": 1, "pp": 1, "dp": 1}}
+
+
 def checkpoint_trainer(hidden: int, layers: int, vocab: int, port: int):
     """One process (gloo) with the trainer of a scaled RemBERT in fp32 under ZeRO-1: what the
     checkpoint benches save. Returns (trainer, config)."""
