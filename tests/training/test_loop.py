@@ -113,9 +113,13 @@ def uninterrupted(tmp_path_factory, tiny_dataset):
     return result, valid, tmp / "ckpt"
 
 
-def test_signal_saves_and_resume_matches(tmp_path, tiny_dataset, uninterrupted):
+@pytest.mark.parametrize("background", [False, True], ids=["save", "background-save"])
+def test_signal_saves_and_resume_matches(tmp_path, tiny_dataset, uninterrupted, background):
+    """A signal at step 2 (with train.async_save the stop waits for the background write):
+    `latest` names step 2 when the run has exited, and the resumed run equals the
+    uninterrupted one."""
     uninterrupted, _, _ = uninterrupted
-    sets = overrides(tmp_path, *tiny_dataset)
+    sets = overrides(tmp_path, *tiny_dataset, **{"train.async_save": background})
     stopped = run_distributed(_train, 2, sets, 2)
     assert stopped == [2, 2]  # both ranks stopped at the step after the signal
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_00000002"
