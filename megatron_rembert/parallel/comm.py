@@ -108,9 +108,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None,
     in `output`, which may be that slice of `input` itself. Returns the work handle
     (`.wait()`) when `async_op`, else None. Both tensors on the communication device."""
     if not is_initialized():
-        if output.data_ptr() != input.data_ptr():
-            output.copy_(input)
-        return _Done() if async_op else None
+        return _one_process(output, input, async_op)
     _on_device(output, input)
     TRAFFIC.count("reduce-scatter", input, group)
     # torch >= 2.10 names it reduce_scatter_single (reduce_scatter_tensor warns, deprecated)
@@ -123,14 +121,19 @@ def all_gather_into(output: torch.Tensor, input: torch.Tensor, group=None,
     """Every rank's `input` concatenated in group order into `output` (n x input's elements;
     `input` may be this rank's slice of `output`). Returns the work handle when `async_op`."""
     if not is_initialized():
-        if output.data_ptr() != input.data_ptr():
-            output.copy_(input)
-        return _Done() if async_op else None
+        return _one_process(output, input, async_op)
     _on_device(output, input)
     TRAFFIC.count("all-gather", output, group)
     # torch >= 2.10 names it all_gather_single (all_gather_into_tensor warns, deprecated)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return gather(output, input, group=group, async_op=async_op)
+
+
+def _one_process(output: torch.Tensor, input: torch.Tensor, async_op: bool):
+    """A reduce-scatter or all-gather over one rank: `input` is the result."""
+    if output.data_ptr() != input.data_ptr():
+        output.copy_(input)
+    return _Done() if async_op else None
 
 
 class _Done:

@@ -63,11 +63,12 @@ class ResumeState:
 
 
 def snapshot(obj, memo: dict | None = None):
-    """A copy of a state dict that later training steps cannot change, which `torch.save`
-    writes to the same bytes: every tensor storage copied once (tensors that shared one share
-    its copy, with their offsets and strides), containers rebuilt, other values deep-copied,
-    and an object met twice copied once (`memo`, as `copy.deepcopy`'s: the pickle refers back
-    to it as it did)."""
+    """A host copy of a state dict that later training steps cannot change, which `torch.save`
+    writes to the same bytes (but for the device a GPU tensor is recorded on: the loads here
+    map to the CPU anyway): every tensor storage copied once into host memory (tensors that
+    shared one share its copy, with their offsets and strides; no second copy in device
+    memory), containers rebuilt, other values deep-copied, and an object met twice copied once
+    (`memo`, as `copy.deepcopy`'s: the pickle refers back to it as it did)."""
     memo = {} if memo is None else memo
     if id(obj) in memo:
         return memo[id(obj)]
@@ -75,8 +76,8 @@ def snapshot(obj, memo: dict | None = None):
         storage = obj.untyped_storage()
         key = ("storage", obj.device, storage.data_ptr(), storage.nbytes())
         if key not in memo:
-            memo[key] = storage.clone()
-        copy = torch.empty(0, dtype=obj.dtype, device=obj.device)
+            memo[key] = storage.clone() if storage.device.type == "cpu" else storage.cpu()
+        copy = torch.empty(0, dtype=obj.dtype, device="cpu")
         copy.set_(memo[key], obj.storage_offset(), obj.size(), obj.stride())
         copy = (torch.nn.Parameter(copy, requires_grad=obj.requires_grad)
                 if isinstance(obj, torch.nn.Parameter) else copy.requires_grad_(obj.requires_grad))
@@ -103,6 +104,8 @@ class GuardedCheckpointEngine(TorchCheckpointEngine):
         self.records: dict[str, dict] = {}  # absolute path -> {"size", "sha256"}
         self.files: list[tuple[str, object]] = []  # (path, state) of this save, to write
         self.copy = False  # snapshot each state: it is written after training goes on
+        self.pending: PendingSave | None = None  # the background save in flight
+        self.host_group = None  # the gloo group its writer agrees over (made at first use)
         # The first failed write of this save (a full disk, a lost mount), held until
         # DeepSpeed's save_checkpoint returns: raised inside it, it would leave this rank out
         # of the barriers DeepSpeed's save runs between its writes, and the other ranks
@@ -198,7 +201,13 @@ class PendingSave:
         return self.folder
 
 
-_HOST_GROUP = []  # the gloo group of the background writers, made at the first background save
+def wait_for_save(engine) -> None:
+    """Every rank: the background save in flight, if any, complete and `latest` (or its error
+    raised). A save waits for the previous one itself; a stop and the end of a run call this."""
+    guard = _guard(engine)
+    pending, guard.pending = guard.pending, None
+    if pending is not None:
+        pending.wait()
 
 
 def save_checkpoint(engine, save_dir: str | Path, step: int, consumed_samples: int, meta: dict,
@@ -213,6 +222,7 @@ def save_checkpoint(engine, save_dir: str | Path, step: int, consumed_samples: i
     raises the same `WriteError` on every rank (from `wait()` in the background) and leaves
     `latest` naming the last good checkpoint.
     """
+    wait_for_save(engine)
     save_dir = Path(save_dir)
     folder = save_dir / step_tag(step)
     check_weights(engine.module.parameters(), step, max_weight_abs, save_dir)
@@ -221,11 +231,9 @@ def save_checkpoint(engine, save_dir: str | Path, step: int, consumed_samples: i
     comm.barrier()
     guard = _guard(engine)
     guard.start_save(copy=background)
-    host_group = None
-    if background:
-        if not _HOST_GROUP:
-            _HOST_GROUP.append(comm.new_host_group())
-        host_group = _HOST_GROUP[0]
+    if background and guard.host_group is None:
+        guard.host_group = comm.new_host_group()
+    host_group = guard.host_group if background else None
 
     def failure(error: BaseException | None, ranks: int) -> WriteError:
         # A full disk, a read-only file system, a lost mount: said the same way on every rank
@@ -269,7 +277,8 @@ def save_checkpoint(engine, save_dir: str | Path, step: int, consumed_samples: i
 
     removing_a_partial_folder(collect)
     if background:
-        return PendingSave(folder, lambda: removing_a_partial_folder(write_and_commit))
+        guard.pending = PendingSave(folder, lambda: removing_a_partial_folder(write_and_commit))
+        return guard.pending
     removing_a_partial_folder(write_and_commit)
     return folder
 

@@ -136,7 +136,6 @@ def _train(config: Config, launch: LaunchEnv, world: int, device: torch.device,
     divergence = DivergenceCheck(train_cfg.divergence_factor, train_cfg.divergence_window,
                                  train_cfg.max_nonfinite_steps, start_step=step)
     last_saved = step if step else None
-    pending = None  # a background save (train.async_save) still being written
     last = {}
     log.console(STARTUP.done())
     clock = StepClock(step, train_cfg.steps, started=PROCESS_START)
@@ -172,8 +171,7 @@ def _train(config: Config, launch: LaunchEnv, world: int, device: torch.device,
             log.console(format_line(step, train_cfg.steps, last, *clock.times(step),
                                     stop.deadline and stop.deadline - time.monotonic()))
         if diverged:
-            if pending is not None:  # the last good checkpoint is written before stopping
-                pending.wait()
+            ckpt.wait_for_save(trainer.engine)  # the last good checkpoint, before stopping
             log.close()
             raise DivergenceError(stop_message(step, diverged, train_cfg.save_dir))
         if train_cfg.eval_interval and step % train_cfg.eval_interval == 0:
@@ -184,18 +182,13 @@ def _train(config: Config, launch: LaunchEnv, world: int, device: torch.device,
         periodic = train_cfg.save_interval and step % train_cfg.save_interval == 0
         if (periodic or stopping or step == train_cfg.steps) and good:
             POSITION.set(phase="checkpoint save")
-            if pending is not None:  # a save waits for the previous one
-                pending.wait()
-            saved = ckpt.save_checkpoint(trainer.engine, train_cfg.save_dir, step, consumed,
-                                         meta, train_cfg.keep_last, train_cfg.max_weight_abs,
-                                         background=train_cfg.async_save)
-            pending = saved if train_cfg.async_save else None
+            ckpt.save_checkpoint(trainer.engine, train_cfg.save_dir, step, consumed, meta,
+                                 train_cfg.keep_last, train_cfg.max_weight_abs,
+                                 background=train_cfg.async_save)
             last_saved = step
         if stopping:
-            if pending is not None:  # a stop waits for the write
-                POSITION.set(phase="checkpoint save")
-                pending.wait()
-                pending = None
+            POSITION.set(phase="checkpoint save")
+            ckpt.wait_for_save(trainer.engine)  # a stop waits for the write
             kept = (f"saved step {step}" if last_saved == step else
                     f"{divergence.unsaved(step)}; last checkpoint: "
                     f"{f'step {last_saved}' if last_saved else 'none'}")
@@ -204,9 +197,8 @@ def _train(config: Config, launch: LaunchEnv, world: int, device: torch.device,
                    f"signal received ({stop.name or 'by another rank'})")
             log.console(f"{why}: {kept}, exiting for requeue")
             break
-    if pending is not None:  # the run's last save, complete before the run says so
-        POSITION.set(phase="checkpoint save")
-        pending.wait()
+    POSITION.set(phase="checkpoint save")
+    ckpt.wait_for_save(trainer.engine)  # the run's last save, complete before it says so
     if average.values():
         log.log(step, average.values(), prefix="run_average")
     log.console(average.line())
