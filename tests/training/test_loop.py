@@ -168,15 +168,27 @@ def _pt_contents(folder: Path) -> dict[str, dict[str, bytes]]:
             for archive in [zipfile.ZipFile(path)]}
 
 
-def test_background_saves_write_what_a_save_writes(tmp_path, tiny_dataset, uninterrupted):
+BF16 = {"train.precision": "bf16", "parallel.ds_config": "ds_configs/zero1_bf16.json"}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_background_saves_write_what_a_save_writes(tmp_path, tiny_dataset, uninterrupted,
+                                                    precision):
     """train.async_save at 2 ranks, saving every 2 steps: the same losses as the run that
-    saved only at the end, and its last checkpoint's files byte for byte those that run
-    wrote in the foreground; every kept step complete, `latest` the last."""
-    uninterrupted, _, foreground = uninterrupted
-    sets = overrides(tmp_path, *tiny_dataset, **{"train.save_interval": 2,
+    saved only at the end in the foreground, and its last checkpoint's files byte for byte
+    those that run wrote; every kept step complete, `latest` the last. fp32 (tiny.yaml), and
+    bf16 with the shipped zero1_bf16.json (the production setting: fp32 main gradients)."""
+    if precision == "fp32":
+        expected, _, foreground = uninterrupted
+    else:
+        foreground = tmp_path / "foreground"
+        run_distributed(_train, 2, overrides(foreground, *tiny_dataset, **BF16))
+        expected, foreground = losses(foreground / "logs"), foreground / "ckpt"
+    extra = BF16 if precision == "bf16" else {}
+    sets = overrides(tmp_path, *tiny_dataset, **{**extra, "train.save_interval": 2,
                                                   "train.async_save": True})
     assert run_distributed(_train, 2, sets) == [STEPS, STEPS]
-    assert losses(tmp_path / "logs") == uninterrupted
+    assert losses(tmp_path / "logs") == expected
     ckpt = tmp_path / "ckpt"
     assert (ckpt / "latest").read_text().strip() == f"step_{STEPS:08d}"
     last = f"step_{STEPS:08d}"
