@@ -10,7 +10,8 @@ one rule for them, `pytest_collection_modifyitems` below).
 The suite runs in two pytest-xdist workers, a test file at a time (pyproject's addopts:
 `-n 2 --dist loadfile`; `-n 0` runs it in this process). Files with tests that start processes
 (the long ones) are handed out first, so the two workers end together instead of one of them
-finishing a long file alone.
+finishing a long file alone; xdist's own order (files with the most tests first, which put a
+one-test 2-minute file last) is off (`--no-loadscope-reorder`).
 
 A test that starts processes (gloo ranks, torchrun, train.py or a data tool as a process,
 the loader's worker processes, SLURM jobs) is marked `multiprocess`, so that

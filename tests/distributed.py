@@ -13,6 +13,7 @@ import socket
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing import reduction
 from typing import Any
 
 import torch
@@ -26,8 +27,42 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Ranks are forked from a server process that has imported torch and DeepSpeed already (a
+# spawned rank imported them itself: about 2 s of CPU per rank, most of the start-up cost of
+# the suite's distributed tests). Only third-party modules: ours keep import-time state (the
+# process's start time, which the time limit and the start-up lines count from). What a
+# spawned rank would get from the parent at the call, a forked one is handed: the
+# environment, and the parent's stdout and stderr as they are now (a test captures them).
+PRELOAD = ["torch", "deepspeed"]
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+class _InheritedFd:
+    """One of the parent's file descriptors, sent to the forked rank with the process."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        return _InheritedFd._received, (reduction.DupFd(self.fd),)
+
+    @staticmethod
+    def _received(dup) -> int:
+        return dup.detach()
+
+
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue,
-            init: bool) -> None:
+            init: bool, environ: dict[str, str], stdio: tuple[int, int]) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    for target, fd in zip((1, 2), stdio, strict=True):
+        os.dup2(fd, target)
+        os.close(fd)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -60,11 +95,12 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     `init_process_group=False` only torchrun's environment is set, and `fn` initialises the
     process group itself, as train.py does.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.SimpleQueue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, init_process_group),
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, init_process_group,
+                          dict(os.environ), (_InheritedFd(1), _InheritedFd(2))),
                     daemon=True)
         for r in range(world_size)
     ]
