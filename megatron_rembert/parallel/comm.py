@@ -182,9 +182,13 @@ def new_host_group():
     return dist.new_group(backend="gloo") if is_initialized() else None
 
 
-def _host_sum(value: float, host_group) -> float:
+def host_all_reduce(value: float, host_group, op: dist.ReduceOp = dist.ReduceOp.SUM) -> float:
+    """One host number reduced on CPU over a group from `new_host_group` (off the training
+    thread: never on the communication device)."""
+    if host_group is None:
+        return float(value)
     work = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(work, group=host_group)
+    dist.all_reduce(work, op=op, group=host_group)
     return float(work[0])
 
 
@@ -203,7 +207,7 @@ def agree_or_raise(catch: type[BaseException] | tuple[type[BaseException], ...],
     except catch as err:
         error = err
     flag = 0.0 if error is None else 1.0
-    (failed,) = ([_host_sum(flag, host_group)] if host_group is not None
+    (failed,) = ([host_all_reduce(flag, host_group)] if host_group is not None
                  else all_reduce_values([flag]))
     if error is None and not failed:
         return

@@ -119,9 +119,11 @@ class TrainConfig:
         False,
         help=(
             "Write checkpoints in the background: the step waits only while the state is "
-            "copied off the training buffers; files, hashes, manifest and `latest` follow in "
-            "a thread. A save waits for the previous one, the end of the run and a stop wait "
-            "for the last; `latest` moves only when every rank's files are complete"))
+            "copied off the training buffers; the weights check (train.max_weight_abs, on "
+            "the copy), files, hashes, manifest and `latest` follow in a thread, and a refused "
+            "save stops the run at the next save or the end. A save waits for the previous "
+            "one, the end of the run and a stop wait for the last; `latest` moves only when "
+            "every rank's files are complete"))
     save_dir: str = setting("runs/checkpoints",
                             help="folder of the step_* checkpoints and `latest`")
     resume_from: str = setting(

@@ -50,7 +50,7 @@ from megatron_rembert.fs import (
 from megatron_rembert.parallel import comm
 from megatron_rembert.parallel import random as tp_random
 from megatron_rembert.training import deepspeed_private
-from megatron_rembert.training.divergence import check_weights
+from megatron_rembert.training.divergence import DivergenceError, check_weights
 from megatron_rembert.training.full_tensors import load_full_tensors, load_portable
 
 RECORDS = ".hashes"  # per-rank hashes of one save, merged into manifest.json by rank 0
@@ -104,6 +104,7 @@ class GuardedCheckpointEngine(TorchCheckpointEngine):
         self.records: dict[str, dict] = {}  # absolute path -> {"size", "sha256"}
         self.files: list[tuple[str, object]] = []  # (path, state) of this save, to write
         self.copy = False  # snapshot each state: it is written after training goes on
+        self.memo: dict = {}  # the snapshots of one save: a storage met twice is copied once
         self.pending: PendingSave | None = None  # the background save in flight
         self.host_group = None  # the gloo group its writer agrees over (made at first use)
         # The first failed write of this save (a full disk, a lost mount), held until
@@ -114,9 +115,14 @@ class GuardedCheckpointEngine(TorchCheckpointEngine):
 
     def start_save(self, copy: bool = False) -> None:
         self.records.clear()
-        self.files = []
+        self.release()
         self.copy = copy
         self.failed = None
+
+    def release(self) -> None:
+        """Drops this save's states (and their host copies) once they are written."""
+        self.files = []
+        self.memo = {}
 
     def makedirs(self, path, exist_ok=False) -> None:
         if self.failed is None:
@@ -127,7 +133,7 @@ class GuardedCheckpointEngine(TorchCheckpointEngine):
                 self.failed = err
 
     def save(self, state_dict, path: str) -> None:
-        self.files.append((path, snapshot(state_dict) if self.copy else state_dict))
+        self.files.append((path, snapshot(state_dict, self.memo) if self.copy else state_dict))
 
     def write(self, state_dict, path: str) -> None:
         # torch.save writes a path from C++ several times faster than through a Python file
@@ -216,16 +222,19 @@ def save_checkpoint(engine, save_dir: str | Path, step: int, consumed_samples: i
     """Every rank calls this; returns the new folder once it is complete and `latest`, or with
     `background`, a PendingSave as soon as the state is copied (its `wait()` gives the folder).
 
-    Refuses (divergence.DivergenceError, nothing written) unless every weight is finite and
-    within +-`max_weight_abs` (train.max_weight_abs); a failed write (full disk, read-only
-    file system, lost mount: whatever exception the writer raised, see fs.write_errors)
-    raises the same `WriteError` on every rank (from `wait()` in the background) and leaves
-    `latest` naming the last good checkpoint.
+    Refuses (divergence.DivergenceError, no file written) unless every weight is finite and
+    within +-`max_weight_abs` (train.max_weight_abs): in the foreground before anything is
+    collected, in the background on the host copy of the weights before the writes (the
+    error comes from `wait()`; the step blocks only for the copy). A failed write (full disk,
+    read-only file system, lost mount: whatever exception the writer raised, see
+    fs.write_errors) raises the same `WriteError` on every rank (from `wait()` in the
+    background). Either way `latest` keeps naming the last good checkpoint.
     """
     wait_for_save(engine)
     save_dir = Path(save_dir)
     folder = save_dir / step_tag(step)
-    check_weights(engine.module.parameters(), step, max_weight_abs, save_dir)
+    if not background:
+        check_weights(engine.module.parameters(), step, max_weight_abs, save_dir)
     if comm.rank() == 0:  # a partial folder left by a kill at this step; never through a link
         clear_save_paths(save_dir, folder)
     comm.barrier()
@@ -246,7 +255,7 @@ def save_checkpoint(engine, save_dir: str | Path, step: int, consumed_samples: i
     def removing_a_partial_folder(block: Callable[[], None]) -> None:
         try:
             block()
-        except (CheckpointError, OSError):
+        except (CheckpointError, OSError, DivergenceError):
             if comm.rank() == 0 and not (folder / COMPLETE).exists():
                 shutil.rmtree(folder, ignore_errors=True)  # the partial folder of a failed save
             raise
@@ -263,6 +272,8 @@ def save_checkpoint(engine, save_dir: str | Path, step: int, consumed_samples: i
                             snapshot(rng) if background else rng))
 
     def write_and_commit() -> None:
+        if background:  # the host copies of the weights, alike on every rank after the MAX
+            check_weights(weights, step, max_weight_abs, save_dir, host_group)
         with comm.agree_or_raise(OSError, failure, host_group):
             _write_files(guard, folder)
         with comm.agree_or_raise(OSError, failure, host_group):
@@ -275,11 +286,20 @@ def save_checkpoint(engine, save_dir: str | Path, step: int, consumed_samples: i
                        {**meta, "step": step, "consumed_samples": consumed_samples},
                        records, keep_last)
 
+    def written() -> None:
+        try:
+            removing_a_partial_folder(write_and_commit)
+        finally:
+            guard.release()
+
     removing_a_partial_folder(collect)
     if background:
-        guard.pending = PendingSave(folder, lambda: removing_a_partial_folder(write_and_commit))
+        # The weights as saved: their storages were copied with DeepSpeed's states (the memo
+        # finds them); a rank whose files do not hold them (ZeRO's dp ranks > 0) copies them.
+        weights = snapshot([p.detach() for p in engine.module.parameters()], guard.memo)
+        guard.pending = PendingSave(folder, written)
         return guard.pending
-    removing_a_partial_folder(write_and_commit)
+    written()
     return folder
 
 

@@ -123,25 +123,30 @@ class DivergenceCheck:
 
 
 @torch.no_grad()
-def weights_max_abs(parameters: Iterable[torch.Tensor]) -> float:
+def weights_max_abs(parameters: Iterable[torch.Tensor], host_group=None) -> float:
     """The largest |weight| over every rank's parameters; inf when any is inf or NaN. One
-    max per tensor on the device, one collective, one read-back."""
+    max per tensor on the device, one collective, one read-back. `host_group` (from
+    comm.new_host_group): the tensors are host copies and the ranks agree on CPU over that
+    group (the background checkpoint writer)."""
     tensors = [p.detach() for p in parameters if p.numel()]
-    largest = torch.zeros(1, dtype=torch.float64, device=comm.device())
+    device = torch.device("cpu") if host_group is not None else comm.device()
+    largest = torch.zeros(1, dtype=torch.float64, device=device)
     if tensors:
         norms = torch._foreach_norm(tensors, math.inf)  # per tensor, in its own dtype
         top = torch.stack([n.to(largest.device, torch.float64) for n in norms]).max()
         # NaN is unordered, so a MAX reduction could drop it: counted as inf.
         largest[0] = torch.where(top.isfinite(), top, math.inf)
+    if host_group is not None:
+        return comm.host_all_reduce(float(largest[0]), host_group, dist.ReduceOp.MAX)
     (value,) = comm.to_host(comm.all_reduce(largest, op=dist.ReduceOp.MAX))
     return value
 
 
 def check_weights(parameters: Iterable[torch.Tensor], step: int, limit: float,
-                  save_dir: str | Path) -> None:
+                  save_dir: str | Path, host_group=None) -> None:
     """Refuses (DivergenceError, on every rank) to save step `step` unless its weights are
-    finite and within +-`limit` (train.max_weight_abs)."""
-    largest = weights_max_abs(parameters)
+    finite and within +-`limit` (train.max_weight_abs). `host_group`: as weights_max_abs."""
+    largest = weights_max_abs(parameters, host_group)
     if math.isfinite(largest) and largest <= limit:  # inf: some weight is inf or NaN
         return
     what = ("some weights are inf or NaN" if math.isinf(largest) else

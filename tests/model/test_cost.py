@@ -132,3 +132,31 @@ def test_dry_run_counts_flops_at_the_schedules_mask_rate():
     assert f"{per_step(0.3):.3e} at step 0" in report
     assert f"{per_step(0.1):.3e} at the last step" in report
     assert f"FLOPs of the run: {50 * per_step(0.3) + 50 * per_step(0.1):.3e}" in report
+
+
+@pytest.mark.parametrize("precision, weight_bytes", [("bf16", 2), ("fp32", 4)])
+def test_memory_estimate_holds_each_stages_parameters_from_the_specs(precision, weight_bytes):
+    """`--dry-run`'s memory per rank is built on the same parameter count as the stage split:
+    at tp 2 x pp 2 each stage's parameters are the TP shards the checkpoint specs cut for its
+    layers, its `parameters` term those in the training precision, and every other
+    per-parameter term (gradients, optimizer states) the same multiple of them on each stage."""
+    from megatron_rembert.run_config.load import load_config
+    from megatron_rembert.training.plan import RunPlan
+
+    ds_config = "ds_configs/zero1_bf16.json" if precision == "bf16" else "ds_configs/cpu_fp32.json"
+    config = load_config("configs/rembert.yaml", [
+        "parallel.tp=2", "parallel.pp=2", f"train.precision={precision}",
+        f"parallel.ds_config={ds_config}", "parallel.zero_stage=1"])
+    stages = RunPlan.build(config, 4).stages
+    per_layer = [0] * (config.model.num_hidden_layers + 2)
+    for spec in param_specs(config.model, 2):
+        per_layer[spec.layer] += math.prod(spec.local_shape(2))
+    ratios = []
+    for i in range(2):
+        held = sum(per_layer[stages.boundaries[i]:stages.boundaries[i + 1]])
+        memory = stages.memory[i]
+        assert stages.parameters[i] == held
+        assert memory["parameters"] == weight_bytes * held
+        ratios.append({k: memory[k] / held for k in ("gradients", "optimizer_states")})
+    assert ratios[0] == pytest.approx(ratios[1]) and ratios[0]["gradients"] > 0
+    assert stages.boundaries[0] == 0 and stages.boundaries[-1] == len(per_layer)

@@ -212,6 +212,10 @@ RUNS = [
     # Weights ~1e30 (finite, so a finiteness check passes) after step 2: step 1 stays latest.
     ("finite-1e30-weights-keep-the-last-good-step", {}, 2,
      "step 2: the largest |weight| is", ["step_00000001"]),
+    # The same with background saves: the weights are checked on their host copy in the
+    # writer; step 3 goes on, and its save, waiting for step 2's, stops the run.
+    ("finite-1e30-weights-background-save", {"train.async_save": True}, 2,
+     "step 2: the largest |weight| is", ["step_00000001"]),
 ]
 
 
