@@ -6,8 +6,9 @@ One process (gloo), the scaled RemBERT of bench/checkpoint_hash.py (fp32, ZeRO-1
   foreground  the whole save: DeepSpeed's states collected, every file written, fsynced and
               hashed, the manifest, `complete` and `latest`
   blocking    the same save with background=True, until it returns: what the step waits for
-              (the weights check, the states copied off the training buffers)
-  background  from there until its wait() returns: the writes the step no longer waits for
+              (the states copied off the training buffers)
+  background  from there until its wait() returns: what the step no longer waits for (the
+              weights check on the copy, the writes, hashes, manifest and `latest`)
 Each is run --reps times in rotating order; the fastest of each is compared, and the ratio
 blocking / foreground is printed last (the issue's bound: 0.25).
 
