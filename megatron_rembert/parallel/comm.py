@@ -185,8 +185,6 @@ def new_host_group():
 def host_all_reduce(value: float, host_group, op: dist.ReduceOp = dist.ReduceOp.SUM) -> float:
     """One host number reduced on CPU over a group from `new_host_group` (off the training
     thread: never on the communication device)."""
-    if host_group is None:
-        return float(value)
     work = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(work, op=op, group=host_group)
     return float(work[0])
