@@ -125,20 +125,35 @@ def _main(argv: list[str] | None, stop: StopFlag) -> int:
     from megatron_rembert.training.loop import train  # torch, DeepSpeed, the model
 
     STARTUP.mark("training imports")
-    summary = train(config, stop, plan)
-    # torch's documented end of a rank, done or stopped: its process groups are destroyed
-    # while everything they use still exists. Left to the interpreter's teardown, a rank that
-    # stopped during start-up once aborted after its clean stop ("terminate called without
-    # an active exception", exit 134) and torchrun then killed the others.
-    import torch.distributed as dist
+    from megatron_rembert.training.divergence import DivergenceError
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    try:
+        summary = train(config, stop, plan)
+    except DivergenceError:
+        # Every rank raises it at the same agreed step, with no collective in flight: its
+        # process groups can end as on a finished run (left to the interpreter's teardown,
+        # about one such run in a dozen was killed by SIGABRT after its error line).
+        _end_process_groups()
+        raise
+    _end_process_groups()
     if not summary.get("stopped") and launch.rank == 0:
         print(f"done at step {summary['step']}; checkpoints in {summary['save_dir']}, "
               f"metrics in {summary['log_dir']}/metrics.jsonl; "
               f"view with: tensorboard --logdir {summary['log_dir']}")
     return 0
+
+
+def _end_process_groups() -> None:
+    """torch's documented end of a rank, done, stopped or diverged: its process groups are
+    destroyed while everything they use still exists. Left to the interpreter's teardown, a
+    rank that stopped during start-up once aborted after its clean stop ("terminate called
+    without an active exception", exit 134) and torchrun then killed the others. Not on other
+    errors: a rank failing alone may leave its peers inside a collective, and ending a group
+    then can wait on them (torchtitan ends its groups only after a clean run for this reason)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

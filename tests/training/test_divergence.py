@@ -167,7 +167,9 @@ def step(self, batches):
     return stats
 
 engine.Trainer.train_step = step
-sys.exit(train.main(sys.argv[1:]))
+code = train.main(sys.argv[1:])
+print(f"process groups left: {{torch.distributed.is_initialized()}}")
+sys.exit(code)
 """
 
 
@@ -233,6 +235,8 @@ def test_a_diverged_run_stops_with_one_error_line(case, tmp_path, tiny_dataset):
     errors = [line for line in run.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and names in errors[0], run.stderr
     assert "Traceback" not in run.stderr and "done at step" not in run.stdout
+    # Ended by the run, not left to the interpreter's teardown (which aborted now and then).
+    assert "process groups left: False" in run.stdout, run.stdout
     latest, folders = _saved(tmp_path)
     assert folders == kept and latest == (kept[-1] if kept else None)
     if kept:
