@@ -17,7 +17,8 @@ A step (`step()`, after the last micro-batch's backward):
    training/main_grads.py and DeepSpeed), read once on the host;
 3. a norm that is not finite skips the step on every rank alike (they all read the same
    reduced norm): weights, masters and optimizer state stay, `skipped_steps` counts it, the
-   gradients are cleared;
+   gradients are cleared; `overflow` says so until the next step (DeepSpeed's engine reads it
+   from a client optimizer: tests/training/test_client_optimizer.py);
 4. clipping to `clip_grad` (coefficient clip / (norm + 1e-6), DeepSpeed's) multiplies the
    shards once; the inner optimizer steps the fragments;
 5. the masters are written into the training-dtype weight buffer's shard and each bucket's
@@ -109,6 +110,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.skipped_steps = 0
         self.steps = 0
         self.grad_norm: float | None = None  # of the last step (inf or nan when skipped)
+        # Whether the last step was skipped: the attribute DeepSpeed's engine reads after a
+        # client optimizer's step() (then it counts a skipped step and leaves the LR schedule)
+        self.overflow = False
 
     def _fragment(self, param: torch.nn.Parameter) -> Fragment | None:
         bucket, offset = self.buffer.offset(param)
@@ -146,7 +150,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.buffer.finish()
         norm = float(self.norm())  # the step's one host read
         self.grad_norm = norm
-        if not math.isfinite(norm):  # every rank read the same norm: all skip
+        self.overflow = not math.isfinite(norm)
+        if self.overflow:  # every rank read the same norm: all skip
             self.skipped_steps += 1
             self.buffer.zero()
             return None
