@@ -213,6 +213,47 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.steps, self.skipped_steps = state_dict["steps"], state_dict["skipped_steps"]
         self._publish()
 
+    # -- fragments, for a checkpoint readable at another DP size (checkpoint/optimizer_shards.py)
+    def fragment_states(self) -> tuple[list[dict[str, torch.Tensor]], int]:
+        """Per fragment (in `all_fragments()` order) its fp32 master and the inner optimizer's
+        state tensors of its shape (`exp_avg`, `exp_avg_sq`), and the inner optimizer's step
+        count (0 before its first step)."""
+        out, inner_step = [], 0
+        for f in self.all_fragments():
+            saved = self.inner.state.get(f.master, {})
+            tensors = {"master": f.master}
+            for key, value in saved.items():
+                if isinstance(value, torch.Tensor) and value.shape == f.master.shape:
+                    tensors[key] = value
+                elif key == "step":
+                    inner_step = int(value)
+            out.append(tensors)
+        return out, inner_step
+
+    @torch.no_grad()
+    def load_fragment_states(self, states: list[dict[str, torch.Tensor]], inner_step: int,
+                             steps: int, skipped_steps: int) -> None:
+        """Put `fragment_states()`-shaped tensors (read for this rank's fragments, whatever DP
+        size saved them) into the masters and the inner optimizer (through its public
+        `load_state_dict`), then refresh the weights on every rank (a collective)."""
+        frags = self.all_fragments()
+        if len(states) != len(frags):
+            raise ValueError(f"{len(states)} fragment states for {len(frags)} fragments")
+        for f, tensors in zip(frags, states, strict=True):
+            f.master.copy_(tensors["master"])
+        saved = self.inner.state_dict()
+        if inner_step > 0:
+            index = {id(p): i for i, p in enumerate(
+                p for g in self.inner.param_groups for p in g["params"])}
+            saved["state"] = {
+                index[id(f.master)]: {"step": torch.tensor(float(inner_step)),
+                                      **{k: v for k, v in tensors.items() if k != "master"}}
+                for f, tensors in zip(frags, states, strict=True)}
+        self.inner.load_state_dict(saved)
+        self.state = self.inner.state
+        self.steps, self.skipped_steps = steps, skipped_steps
+        self._publish()
+
     @torch.no_grad()
     def full_tensors(self) -> dict:
         """Every parameter's whole fp32 weight and optimizer state tensors (a collective):

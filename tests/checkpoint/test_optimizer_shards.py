@@ -1,0 +1,135 @@
+"""checkpoint/optimizer_shards.py: training/distributed_optimizer.py's state saved by each rank
+at one DP size and read at another, against one process that never stopped.
+
+Two steps at dp 2, a save, then fresh processes at dp 1, 2 and 4 (AdamW) and 4 (LAMB, whose
+trust ratio needs every fragment of a parameter) load it and take two more steps: the weights
+equal the uninterrupted one-process run's (tests/training/test_distributed_optimizer.py's
+reference and tolerance), and at the same DP size with bf16 weights they are bitwise those of
+the run that never stopped. A missing rank's file and a file of another format are refused
+with one error naming the folder or file.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_rembert.checkpoint import CheckpointError
+from tests.distributed import run_distributed
+from tests.training.helpers import micro_batches
+from tests.training.test_distributed_optimizer import (
+    BUCKET,
+    CLIP,
+    GLOBAL,
+    MICRO,
+    STEPS,
+    _groups,
+    _make,
+    _max_diff,
+    _model,
+    _reference,
+    _tokens,
+)
+
+SAVED_AT = 2  # steps taken before the save
+
+
+def _build(dtype, optimizer):
+    import torch.distributed as dist
+
+    from megatron_rembert.parallel.grad_buffer import GradBuffer
+    from megatron_rembert.training.distributed_optimizer import DistributedOptimizer
+
+    model, config = _model(dtype)
+    buffer = GradBuffer(model.parameters(), dp_group=dist.group.WORLD, bucket_elements=BUCKET)
+    opt = DistributedOptimizer(buffer, _groups(model), _make(optimizer), clip_grad=CLIP)
+    return model, config, buffer, opt
+
+
+def _worker(rank: int, dp: int, optimizer: str, dtype, folder: str, first: int, last: int):
+    """Steps [first, last): from a fresh model, after loading `folder` when first > 0; saves
+    into `folder` after step `SAVED_AT` when the run passes it."""
+    import torch.distributed as dist
+
+    from megatron_rembert.checkpoint import optimizer_shards
+    from megatron_rembert.parallel import comm
+
+    model, config, buffer, opt = _build(dtype, optimizer)
+    names = {id(p): n for n, p in model.named_parameters()}
+    if first > 0:
+        optimizer_shards.load(opt, names, folder)
+    for step in range(first, last):
+        if step == SAVED_AT:
+            optimizer_shards.save(opt, names, folder)
+            dist.barrier()
+        batches = micro_batches(step, GLOBAL, MICRO, rank, dp, config.model.vocab_size)
+        tokens = comm.all_reduce(torch.tensor(_tokens(batches)))
+        for i, mb in enumerate(batches):
+            if i == len(batches) - 1:
+                buffer.last_micro_batch()
+            (model(**mb).loss_sum / tokens).backward()
+        opt.step()
+    if last == SAVED_AT:
+        optimizer_shards.save(opt, names, folder)
+    return {"weights": {n: p.detach().float().clone() for n, p in model.named_parameters()},
+            "steps": opt.steps}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("optimizer, dp", [("adamw", 1), ("adamw", 2), ("adamw", 4),
+                                           ("lamb", 4)])
+def test_saved_at_dp2_resumes_at_any_dp(optimizer, dp, tmp_path):
+    run_distributed(_worker, 2, optimizer, torch.float32, str(tmp_path), 0, SAVED_AT,
+                    timeout=900)
+    resumed = run_distributed(_worker, dp, optimizer, torch.float32, str(tmp_path), SAVED_AT,
+                              STEPS, timeout=900)
+    ref = _reference(optimizer)
+    for r in resumed:
+        assert r["steps"] == STEPS
+        diff = _max_diff(r["weights"], ref["weights"])
+        print(f"{optimizer} saved at dp 2, resumed at dp {dp}: max |w - w_ref| = {diff:.2e}")
+        assert diff < 2e-6, diff
+
+
+@pytest.mark.multiprocess
+def test_bf16_resume_at_the_same_dp_is_bitwise(tmp_path):
+    (tmp_path / "a").mkdir()
+    whole = run_distributed(_worker, 2, "adamw", torch.bfloat16, str(tmp_path / "a"), 0, STEPS,
+                            timeout=900)
+    (tmp_path / "b").mkdir()
+    run_distributed(_worker, 2, "adamw", torch.bfloat16, str(tmp_path / "b"), 0, SAVED_AT,
+                    timeout=900)
+    resumed = run_distributed(_worker, 2, "adamw", torch.bfloat16, str(tmp_path / "b"),
+                              SAVED_AT, STEPS, timeout=900)
+    for w, r in zip(whole, resumed, strict=True):
+        for name, weight in w["weights"].items():
+            assert torch.equal(r["weights"][name], weight), name
+
+
+def _load_alone(rank: int, dp: int, folder: str) -> str:
+    from megatron_rembert.checkpoint import optimizer_shards
+
+    model, _, _, opt = _build(torch.float32, "adamw")
+    try:
+        optimizer_shards.load(opt, {id(p): n for n, p in model.named_parameters()}, folder)
+    except CheckpointError as err:
+        return str(err)
+    return "loaded"
+
+
+@pytest.mark.multiprocess
+def test_missing_or_foreign_shards_are_refused(tmp_path):
+    (tmp_path / "a").mkdir()
+    run_distributed(_worker, 2, "adamw", torch.float32, str(tmp_path / "a"), 0, SAVED_AT,
+                    timeout=900)
+    (tmp_path / "a" / "optim_tp00_pp000_dp001.safetensors").unlink()
+    [said] = run_distributed(_load_alone, 1, str(tmp_path / "a"), timeout=900)
+    assert "2 optimizer shard" not in said and "incomplete" in said and str(tmp_path) in said
+    (tmp_path / "b").mkdir()
+    [said] = run_distributed(_load_alone, 1, str(tmp_path / "b"), timeout=900)
+    assert "no optimizer shard" in said
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(2)}, str(tmp_path / "b" / "optim_tp00_pp000_dp000.safetensors"))
+    [said] = run_distributed(_load_alone, 1, str(tmp_path / "b"), timeout=900)
+    assert "not an optimizer shard" in said and "dp000" in said
