@@ -1,28 +1,38 @@
-"""training/distributed_optimizer.py's state on disk, one file per rank, read at any DP size.
+"""training/distributed_optimizer.py's state on disk, one file per rank, read at any layout.
 
 Each rank writes the fragments it owns (the parts of parameters that fall into its shards of
 the gradient buckets) into `optim_tp{t}_pp{p}_dp{d}.safetensors`, one tensor per fragment and
-kind, named by the parameter and the element range it covers in the flattened parameter:
+kind, named by the parameter's global name (checkpoint/specs.py, the same at every TP and PP
+size) and the element range it covers in this rank's flattened TP shard of it:
 
     master/NAME@LO:HI       fp32 master weights
     exp_avg/NAME@LO:HI      the inner optimizer's state of the same elements
     exp_avg_sq/NAME@LO:HI
 
 and in the header's metadata the format, the step counts (`steps`, `skipped_steps`, the inner
-optimizer's `inner_step`) and the DP size that wrote it. Nothing is gathered and nothing is
-pickled: a save costs each rank its own bytes, and a reader maps only the slices it needs.
+optimizer's `inner_step`), the layout that wrote it (tp, pp, dp) and the TP-shard shape of each
+parameter it holds. Nothing is gathered and nothing is pickled: a save costs each rank its own
+bytes, and a reader maps only the slices it needs.
 
-A reader at any DP size (the same TP and PP: NAME is the TP-local parameter) opens every file
-of its TP and PP rank, and assembles each of its own fragments from the saved ranges that
-overlap it; a range that no file covers is an error naming the parameter. Files are found by
-their own name pattern inside the step folder only.
+A reader at any TP x PP x DP layout opens every shard file of the step folder (found by their
+name pattern inside the folder only; as many as the writing layout had ranks) and assembles
+each of its own fragments: at the writer's TP size (or for a parameter TP does not split)
+straight from the saved ranges that overlap it; at another TP size from the parameter's full
+tensor, merged from the writer's TP shards and cut for this rank (`specs.merge_shards` and
+`specs.shard`, vocabulary padding stripped and zero-filled). A range that no file covers is an
+error naming the parameter.
 
 This is the first part of the checkpoint the trainer will write once it steps our optimizer
 (the issue "Own the data-parallel gradient path"); the trainer does not write it yet.
+tests/checkpoint/test_optimizer_shards.py changes DP and TP sizes between save and resume; a
+PP change (the names are global, every stage's files are read) is untested until the trainer
+writes it.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import re
 from pathlib import Path
 
@@ -30,33 +40,39 @@ import torch
 
 from megatron_rembert.checkpoint import CheckpointError
 from megatron_rembert.checkpoint.files import SafetensorsWriter, safe_open_checked
+from megatron_rembert.checkpoint.specs import ParamSpec, merge_shards, shard
 
 FORMAT = "megatron-rembert-optimizer-shards-v1"
 _FILE = re.compile(r"optim_tp(\d{2})_pp(\d{3})_dp(\d{3,})\.safetensors")
 _KEY = re.compile(r"([a-z_]+)/(.+)@(\d+):(\d+)")
+_AGREED = ("format", "steps", "skipped_steps", "inner_step", "layout")
 
 
 def shard_file(tp_rank: int, pp_rank: int, dp_rank: int) -> str:
     return f"optim_tp{tp_rank:02d}_pp{pp_rank:03d}_dp{dp_rank:03d}.safetensors"
 
 
-def save(optimizer, names: dict[int, str], folder: str | Path, tp_rank: int = 0,
-         pp_rank: int = 0) -> dict:
+def save(optimizer, specs: dict[int, ParamSpec], folder: str | Path, *, tp: int = 1,
+         tp_rank: int = 0, pp: int = 1, pp_rank: int = 0) -> dict:
     """Write this rank's file into `folder`; returns its manifest record (size, sha256).
-    `names`: id(parameter) -> its name (the model's `named_parameters()`)."""
+    `specs`: id(parameter) -> its spec (`ParamSpec.of` on the model's parameters, global
+    names)."""
     states, inner_step = optimizer.fragment_states()
-    items = []
+    items, shapes = [], {}
     for f, tensors in zip(optimizer.all_fragments(), states, strict=True):
-        name = names.get(id(f.param))
-        if name is None:
+        spec = specs.get(id(f.param))
+        if spec is None:
             raise CheckpointError(f"{folder}: a parameter of shape {tuple(f.param.shape)} has "
-                                  "no name (give every model parameter)")
+                                  "no spec (give every model parameter)")
+        shapes[spec.name] = list(f.param.shape)
         span = f"{f.param_start}:{f.param_start + f.numel}"
-        items += [(f"{kind}/{name}@{span}", t.detach().float()) for kind, t in tensors.items()]
+        items += [(f"{kind}/{spec.name}@{span}", t.detach().float())
+                  for kind, t in tensors.items()]
+    dp, dp_rank = optimizer.buffer.dp, optimizer.buffer.dp_rank
     meta = {"format": FORMAT, "steps": str(optimizer.steps),
             "skipped_steps": str(optimizer.skipped_steps), "inner_step": str(inner_step),
-            "dp": str(optimizer.buffer.dp)}
-    path = Path(folder) / shard_file(tp_rank, pp_rank, optimizer.buffer.dp_rank)
+            "layout": json.dumps({"tp": tp, "pp": pp, "dp": dp}), "shapes": json.dumps(shapes)}
+    path = Path(folder) / shard_file(tp_rank, pp_rank, dp_rank)
     with SafetensorsWriter(path, [(k, t.dtype, tuple(t.shape)) for k, t in items],
                            metadata=meta) as writer:
         for key, tensor in items:
@@ -64,36 +80,38 @@ def save(optimizer, names: dict[int, str], folder: str | Path, tp_rank: int = 0,
     return writer.record()
 
 
-def load(optimizer, names: dict[int, str], folder: str | Path, tp_rank: int = 0,
-         pp_rank: int = 0) -> None:
-    """Fill this rank's fragments from every file of its TP and PP rank in `folder`, whatever
-    DP size wrote them; every rank calls it (the weights are refreshed with a collective)."""
+def load(optimizer, specs: dict[int, ParamSpec], folder: str | Path, *, tp: int = 1,
+         tp_rank: int = 0) -> None:
+    """Fill this rank's fragments (it runs at TP size `tp`) from the shard files in `folder`,
+    whatever layout wrote them; every rank calls it (the weights are refreshed with a
+    collective)."""
     folder = Path(folder)
-    files = sorted(p for p in folder.iterdir() if p.is_file() and (m := _FILE.fullmatch(p.name))
-                   and (int(m[1]), int(m[2])) == (tp_rank, pp_rank))
+    files = sorted(p for p in folder.iterdir() if p.is_file() and _FILE.fullmatch(p.name))
     if not files:
-        raise CheckpointError(f"{folder}: no optimizer shard of TP rank {tp_rank}, PP rank "
-                              f"{pp_rank} ({shard_file(tp_rank, pp_rank, 0)} and the other DP "
-                              "ranks'); was it saved at another TP or PP size?")
+        raise CheckpointError(f"{folder}: no optimizer shard ({shard_file(0, 0, 0)} and the "
+                              "other ranks')")
     with _Saved(files) as saved:
         states = []
         for f in optimizer.all_fragments():
-            name = names[id(f.param)]
+            spec = specs[id(f.param)]
             lo, hi = f.param_start, f.param_start + f.numel
-            states.append({kind: saved.read(kind, name, lo, hi) for kind in saved.kinds})
+            states.append({kind: saved.read(kind, spec, lo, hi, tp, tp_rank)
+                           for kind in saved.kinds})
         meta = saved.meta
     optimizer.load_fragment_states(states, int(meta["inner_step"]), int(meta["steps"]),
                                    int(meta["skipped_steps"]))
 
 
 class _Saved:
-    """The saved fragments of a set of files: (kind, name) -> [(lo, hi, handle, key)]."""
+    """The saved fragments of a step folder's shard files:
+    (kind, name, writer's TP rank) -> [(lo, hi, handle, key)]."""
 
     def __init__(self, files: list[Path]):
         self.files, self._stack = files, []
-        self.ranges: dict[tuple[str, str], list[tuple[int, int, object, str]]] = {}
+        self.ranges: dict[tuple[str, str, int], list[tuple[int, int, object, str]]] = {}
         self.kinds: set[str] = set()
         self.meta: dict[str, str] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
 
     def __enter__(self) -> _Saved:
         for path in self.files:
@@ -104,39 +122,68 @@ class _Saved:
             if meta.get("format") != FORMAT:
                 raise CheckpointError(f"{path}: not an optimizer shard of {FORMAT} "
                                       f"(format {meta.get('format')!r})")
-            agreed = {k: meta.get(k) for k in ("steps", "skipped_steps", "inner_step", "dp")}
+            agreed = {k: meta.get(k) for k in _AGREED}
             if self.meta and agreed != self.meta:
-                raise CheckpointError(f"{path}: its step counts or DP size {agreed} differ "
-                                      f"from {self.files[0]}'s {self.meta}")
+                raise CheckpointError(f"{path}: its step counts or layout {agreed} differ "
+                                      f"from {self.files[0].name}'s {self.meta}")
             self.meta = agreed
+            try:
+                shapes = json.loads(meta["shapes"])
+                layout = json.loads(meta["layout"])
+                self.layout = (int(layout["tp"]), int(layout["pp"]), int(layout["dp"]))
+            except (KeyError, ValueError, TypeError) as err:
+                raise CheckpointError(f"{path}: unreadable layout or shapes ({err})") from err
+            self.shapes.update({n: tuple(s) for n, s in shapes.items()})
+            writer_tp_rank = int(_FILE.fullmatch(path.name)[1])
             for key in handle.keys():
                 m = _KEY.fullmatch(key)
                 if m is None:
                     raise CheckpointError(f"{path}: unexpected tensor {key!r}")
                 kind, name, lo, hi = m[1], m[2], int(m[3]), int(m[4])
                 self.kinds.add(kind)
-                self.ranges.setdefault((kind, name), []).append((lo, hi, handle, key))
-        if len(self.files) != int(self.meta["dp"]):
+                self.ranges.setdefault((kind, name, writer_tp_rank), []).append(
+                    (lo, hi, handle, key))
+        if len(self.files) != math.prod(self.layout):
+            tp, pp, dp = self.layout
             raise CheckpointError(f"{self.files[0].parent}: {len(self.files)} optimizer shard "
-                                  f"files of this TP and PP rank, written at DP size "
-                                  f"{self.meta['dp']}: the checkpoint is incomplete")
+                                  f"files, written by tp {tp} x pp {pp} x dp {dp} ranks: the "
+                                  "checkpoint is incomplete")
         return self
 
     def __exit__(self, *exc) -> None:
         for ctx in reversed(self._stack):
             ctx.__exit__(None, None, None)
 
-    def read(self, kind: str, name: str, lo: int, hi: int) -> torch.Tensor:
-        """Elements [lo, hi) of the flattened `name` of `kind`, from the overlapping ranges."""
+    def read(self, kind: str, spec: ParamSpec, lo: int, hi: int, tp: int,
+             tp_rank: int) -> torch.Tensor:
+        """Elements [lo, hi) of TP rank `tp_rank`'s flattened shard (at TP size `tp`) of
+        `spec`'s parameter, of `kind`."""
+        saved_tp = self.layout[0]
+        if spec.split_dim is None or saved_tp == tp:
+            return self._range(kind, spec.name, 0 if spec.split_dim is None else tp_rank,
+                               lo, hi)
+        if spec.name not in self.shapes:
+            raise CheckpointError(f"{self.files[0].parent}: no saved shard of {spec.name}")
+        shape = self.shapes[spec.name]
+        shards = [self._range(kind, spec.name, t, 0, math.prod(shape)).view(shape)
+                  for t in range(saved_tp)]
+        padded = list(shape)
+        padded[spec.split_dim] *= saved_tp
+        full = merge_shards(shards, ParamSpec(spec.name, spec.split_dim, tuple(padded),
+                                              spec.shape, spec.layer))
+        return shard(full, spec, tp, tp_rank).reshape(-1)[lo:hi].float()
+
+    def _range(self, kind: str, name: str, writer_tp_rank: int, lo: int,
+               hi: int) -> torch.Tensor:
         out = torch.empty(hi - lo, dtype=torch.float32)
         covered = 0
-        for start, end, handle, key in self.ranges.get((kind, name), []):
+        for start, end, handle, key in self.ranges.get((kind, name, writer_tp_rank), []):
             a, b = max(lo, start), min(hi, end)
             if a < b:
                 out[a - lo:b - lo] = handle.get_slice(key)[a - start:b - start]
                 covered += b - a
         if covered != hi - lo:
-            raise CheckpointError(f"{self.files[0].parent}: {kind} of {name}, elements "
-                                  f"{lo}:{hi}: only {covered} of {hi - lo} are in the saved "
-                                  "shards")
+            raise CheckpointError(f"{self.files[0].parent}: {kind} of {name} (TP rank "
+                                  f"{writer_tp_rank}), elements {lo}:{hi}: only {covered} of "
+                                  f"{hi - lo} are in the saved shards")
         return out
