@@ -64,7 +64,7 @@ def _worker(rank: int, world: int, optimizer: str, dtype, folder: str, first: in
     if first > 0:
         optimizer_shards.load(opt, specs, folder, **where)
     for step in range(first, last):
-        if step == SAVED_AT:
+        if step == SAVED_AT and first < SAVED_AT:  # a resumed run does not save again
             optimizer_shards.save(opt, specs, folder, **where)
             dist.barrier()
         batches = micro_batches(step, GLOBAL, MICRO, layout.dp_rank, layout.dp,
