@@ -30,6 +30,7 @@ from tests.training.test_distributed_optimizer import (
     _model,
     _reference,
     _tokens,
+    step_losses,
 )
 
 SAVED_AT = 2  # steps taken before the save
@@ -71,10 +72,8 @@ def _worker(rank: int, world: int, optimizer: str, dtype, folder: str, first: in
                                 config.model.vocab_size)
         tokens = comm.all_reduce(torch.tensor(_tokens(batches)),
                                  group=state.get_state().dp_group)
-        for i, mb in enumerate(batches):
-            if i == len(batches) - 1:
-                buffer.last_micro_batch()
-            (model(**mb).loss_sum / tokens).backward()
+        for loss in step_losses(model, buffer, batches, tokens):
+            loss.backward()
         opt.step()
     if last == SAVED_AT:
         optimizer_shards.save(opt, specs, folder, **where)

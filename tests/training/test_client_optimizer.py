@@ -40,6 +40,7 @@ from tests.training.test_distributed_optimizer import (
     _groups,
     _model,
     _tokens,
+    step_losses,
 )
 
 STEPS, DP = 3, 2
@@ -99,12 +100,8 @@ def _worker(rank: int, dp: int, dtype: torch.dtype, engine_kind: str,
     for step in range(STEPS):
         batches = micro_batches(step, GLOBAL, MICRO, rank, dp, config.model.vocab_size)
         tokens = comm.all_reduce(torch.tensor(_tokens(batches)))
-        for i, mb in enumerate(batches):
-            if i == len(batches) - 1:
-                buffer.last_micro_batch()
-            loss = model(**mb).loss_sum / tokens
-            if step == nan_step and rank == dp - 1:
-                loss = loss * float("nan")
+        for loss in step_losses(model, buffer, batches, tokens,
+                                step == nan_step and rank == dp - 1):
             if engine is None:
                 loss.backward()
                 continue

@@ -60,6 +60,16 @@ def _tokens(batches: list[dict]) -> float:
     return float(sum(mb["masked_weights"].sum() for mb in batches))
 
 
+def step_losses(model, buffer, batches: list[dict], tokens, poison: bool = False):
+    """Each micro-batch's loss over the step's masked tokens, ready for backward, the gradient
+    buffer armed before the last one's; `poison`: multiplied by NaN."""
+    for i, mb in enumerate(batches):
+        if i == len(batches) - 1:
+            buffer.last_micro_batch()
+        loss = model(**mb).loss_sum / tokens
+        yield loss * float("nan") if poison else loss
+
+
 def _reference(optimizer: str, steps: int = STEPS, nan_step: int | None = None) -> dict:
     """One process: the whole global batch as micro-batches, plain autograd, the plain
     optimizer (torch's AdamW with its default implementation, or Lamb on whole parameters),
@@ -108,12 +118,8 @@ def _worker(rank: int, dp: int, optimizer: str, nan_step: int | None = None,
         batches = micro_batches(step, GLOBAL, MICRO, rank, dp, config.model.vocab_size)
         tokens = comm.all_reduce(torch.tensor(_tokens(batches)))
         comm.TRAFFIC.reset()
-        for i, mb in enumerate(batches):
-            if i == len(batches) - 1:
-                buffer.last_micro_batch()
-            loss = model(**mb).loss_sum / tokens
-            if step == nan_step and rank == dp - 1:
-                loss = loss * float("nan")
+        for loss in step_losses(model, buffer, batches, tokens,
+                                step == nan_step and rank == dp - 1):
             loss.backward()
         opt.step()
         traffic.append(dict(comm.TRAFFIC.wire_bytes))
