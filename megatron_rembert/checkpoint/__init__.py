@@ -9,8 +9,8 @@ writes and hashing come from `megatron_rembert.fs`, which the data tools share.
 - `lock`: the save_dir lock (one run per save folder);
 - `specs`: parameter specs (pipeline layer, TP split, vocabulary padding), one slice/merge pair;
 - `portable`: the portable format, written and read here (documented in its docstring);
-- `optimizer_shards`: training/distributed_optimizer.py's state, a file per rank, read at any
-  DP size (not yet written by the trainer);
+- `optimizer_shards`: training/distributed_optimizer.py's state, a file per rank, read at
+  another DP or TP size (not yet written by the trainer);
 - `reader`: full tensors from a step folder of either kind, whatever its layout;
 - `resume`: what a resume decides before the model is built, without the engine (the same
   run? how it loads at this layout, what changes, where the data continues).

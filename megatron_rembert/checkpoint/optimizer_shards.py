@@ -112,6 +112,7 @@ class _Saved:
         self.kinds: set[str] = set()
         self.meta: dict[str, str] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
+        self.layout: tuple[int, int, int] = (1, 1, 1)  # the writer's (tp, pp, dp)
 
     def __enter__(self) -> _Saved:
         for path in self.files:
@@ -171,7 +172,7 @@ class _Saved:
         padded[spec.split_dim] *= saved_tp
         full = merge_shards(shards, ParamSpec(spec.name, spec.split_dim, tuple(padded),
                                               spec.shape, spec.layer))
-        return shard(full, spec, tp, tp_rank).reshape(-1)[lo:hi].float()
+        return shard(full, spec, tp, tp_rank).reshape(-1)[lo:hi]
 
     def _range(self, kind: str, name: str, writer_tp_rank: int, lo: int,
                hi: int) -> torch.Tensor:

@@ -213,7 +213,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.steps, self.skipped_steps = state_dict["steps"], state_dict["skipped_steps"]
         self._publish()
 
-    # -- fragments, for a checkpoint readable at another DP size (checkpoint/optimizer_shards.py)
+    # -- fragments, for a checkpoint readable at another layout (checkpoint/optimizer_shards.py)
     def fragment_states(self) -> tuple[list[dict[str, torch.Tensor]], int]:
         """Per fragment (in `all_fragments()` order) its fp32 master and the inner optimizer's
         state tensors of its shape (`exp_avg`, `exp_avg_sq`), and the inner optimizer's step
@@ -233,8 +233,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def load_fragment_states(self, states: list[dict[str, torch.Tensor]], inner_step: int,
                              steps: int, skipped_steps: int) -> None:
-        """Put `fragment_states()`-shaped tensors (read for this rank's fragments, whatever DP
-        size saved them) into the masters and the inner optimizer (through its public
+        """Put `fragment_states()`-shaped tensors (read for this rank's fragments, whatever
+        layout saved them) into the masters and the inner optimizer (through its public
         `load_state_dict`), then refresh the weights on every rank (a collective)."""
         frags = self.all_fragments()
         if len(states) != len(frags):

@@ -57,9 +57,9 @@ def _ds_config() -> dict:
             "gradient_clipping": 0.0, "steps_per_print": 10**9}
 
 
-def _count_deepspeed_collectives(counts: dict) -> None:
-    """Count the calls of DeepSpeed's communication functions (its engine calls them through
-    the `deepspeed.comm` module)."""
+def _record_deepspeed_collectives(calls: list) -> None:
+    """Record (function, elements of its tensor) of every call of DeepSpeed's communication
+    functions (its engines call them through the `deepspeed.comm` module)."""
     import deepspeed.comm as ds_comm
 
     for name in DS_CALLS:
@@ -67,11 +67,19 @@ def _count_deepspeed_collectives(counts: dict) -> None:
         if real is None:
             continue
 
-        def counted(*args, _real=real, _name=name, **kwargs):
-            counts[_name] = counts.get(_name, 0) + 1
+        def recorded(*args, _real=real, _name=name, **kwargs):
+            tensor = args[0] if args else next(iter(kwargs.values()), None)
+            calls.append((_name, tensor.numel() if isinstance(tensor, torch.Tensor) else -1))
             return _real(*args, **kwargs)
 
-        setattr(ds_comm, name, counted)
+        setattr(ds_comm, name, recorded)
+
+
+def _counts(calls: list) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for name, _ in calls:
+        out[name] = out.get(name, 0) + 1
+    return out
 
 
 def _worker(rank: int, dp: int, dtype: torch.dtype, engine_kind: str,
@@ -94,8 +102,8 @@ def _worker(rank: int, dp: int, dtype: torch.dtype, engine_kind: str,
         engine, ds_opt, _, ds_scheduler = deepspeed.initialize(
             model=model, optimizer=opt, lr_scheduler=scheduler, config=_ds_config())
         assert ds_opt is opt and engine.optimizer is opt and ds_scheduler is scheduler
-    counts: dict[str, int] = {}
-    _count_deepspeed_collectives(counts)
+    calls: list[tuple[str, int]] = []
+    _record_deepspeed_collectives(calls)
     lrs = []
     for step in range(STEPS):
         batches = micro_batches(step, GLOBAL, MICRO, rank, dp, config.model.vocab_size)
@@ -118,7 +126,7 @@ def _worker(rank: int, dp: int, dtype: torch.dtype, engine_kind: str,
                 scheduler.step()
         lrs.append(scheduler.get_last_lr()[0])
     return {"weights": {n: p.detach().float().clone() for n, p in model.named_parameters()},
-            "counts": counts, "lrs": lrs, "skipped": opt.skipped_steps,
+            "counts": _counts(calls), "lrs": lrs, "skipped": opt.skipped_steps,
             "ds_skipped": None if engine is None else engine.skipped_steps,
             "ds_steps": None if engine is None else engine.global_steps}
 
@@ -168,7 +176,6 @@ def _pipeline_worker(rank: int, world: int):
     engine's public switch; steps [0, STEPS) of the same global batches."""
     import deepspeed
 
-    from megatron_rembert.checkpoint.specs import no_weight_decay
     from megatron_rembert.model.pipeline import pipeline_inputs, set_unpadded
     from megatron_rembert.parallel import comm, state
     from megatron_rembert.parallel.grad_buffer import GradBuffer
@@ -186,12 +193,9 @@ def _pipeline_worker(rank: int, world: int):
     layout = state.initialize_model_parallel(plan.layout).layout
     deepspeed.init_distributed(dist_backend="gloo")  # the PipelineModule asks DeepSpeed's comm
     module = _build_pipeline(config, plan)
-    named = local_parameters(module)
-    decay = [p for n, p in named if not no_weight_decay(n, p.ndim)]
-    other = [p for n, p in named if no_weight_decay(n, p.ndim)]
+    named = local_parameters(module)  # global names, as the one-process reference's
     buffer = GradBuffer(module.parameters(), bucket_elements=BUCKET)
-    opt = DistributedOptimizer(buffer, [{"params": decay, "weight_decay": 0.01},
-                                        {"params": other, "weight_decay": 0.0}],
+    opt = DistributedOptimizer(buffer, _groups(named),
                                lambda g: torch.optim.AdamW(g, lr=LR, fused=True),
                                clip_grad=CLIP)
     gas = GLOBAL // MICRO // layout.dp
@@ -200,7 +204,7 @@ def _pipeline_worker(rank: int, world: int):
     assert ds_opt is opt and engine.optimizer is opt
     engine.pipeline_enable_backward_allreduce = False  # the engine's public switch
     sizes: list[tuple[str, int]] = []
-    _record_deepspeed_reductions(sizes)
+    _record_deepspeed_collectives(sizes)
     for step in range(STEPS):
         batches = micro_batches(step, GLOBAL, MICRO, layout.dp_rank, layout.dp,
                                 config.model.vocab_size)
@@ -212,23 +216,6 @@ def _pipeline_worker(rank: int, world: int):
         engine.train_batch(data_iter=iter([(pipeline_inputs(mb), ()) for mb in batches]))
     return {"weights": {n: p.detach().float().clone() for n, p in named},
             "sizes": sizes, "ds_steps": engine.global_steps, "skipped": opt.skipped_steps}
-
-
-def _record_deepspeed_reductions(sizes: list) -> None:
-    import deepspeed.comm as ds_comm
-
-    for name in DS_CALLS:
-        real = getattr(ds_comm, name, None)
-        if real is None:
-            continue
-
-        def recorded(*args, _real=real, _name=name, **kwargs):
-            tensor = args[0] if args else next(iter(kwargs.values()), None)
-            numel = tensor.numel() if isinstance(tensor, torch.Tensor) else -1
-            sizes.append((_name, numel))
-            return _real(*args, **kwargs)
-
-        setattr(ds_comm, name, recorded)
 
 
 @pytest.mark.multiprocess

@@ -40,10 +40,12 @@ def _model(dtype=torch.float32):
 
 
 def _groups(model) -> list[dict]:
+    """The two weight-decay groups of a model, or of (name, parameter) pairs."""
     from megatron_rembert.checkpoint.specs import no_weight_decay
 
+    named = model.named_parameters() if isinstance(model, torch.nn.Module) else model
     decay, no_decay = [], []
-    for name, p in model.named_parameters():
+    for name, p in named:
         (no_decay if no_weight_decay(name, p.ndim) else decay).append(p)
     return [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}]
 
