@@ -283,7 +283,7 @@ def time_head(dtype: torch.dtype, micro: int, predictions: int, chunks: list[int
               device: str = "cuda") -> dict:
     """Prints each setting's time; returns the fastest of ours ({setting, ms, extra_gib}) and
     the layer's time, for bench/gpu_table.py. The decoder's gradients go into fp32 main
-    gradients, as the trainer runs the head under bf16 + ZeRO-1 (training/main_grads.py)."""
+    gradients, as the trainer runs the head under bf16 + ZeRO-1 (parallel/grad_buffer.py)."""
     config = get_preset(preset)
     n, hid = micro * predictions, config.hidden_size
     print(f"\n== MLM head + loss ({dtype}), {preset}, {micro} x {predictions} = {n} masked "

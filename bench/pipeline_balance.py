@@ -8,7 +8,7 @@ this prints, per layout and partition: the busiest stage's share of the time, to
 pipeline, model TFLOP/s per GPU and MFU (bf16 peak), and the ratio new / old. The stage times
 are measured here one layer at a time (one Transformer layer stands for all: they are equal),
 in bf16 with every gradient going into fp32 main gradients as the trainer's do
-(training/main_grads.py: the embedding and the loss add into them themselves);
+(parallel/grad_buffer.py: the embedding and the loss add into them themselves);
 the step times are projected from them and leave out the point-to-point sends, which move one
 B x S x H activation per micro-batch and stage boundary.
 
@@ -36,8 +36,8 @@ from megatron_rembert.model.pipeline import (
     pipeline_inputs,
 )
 from megatron_rembert.model.sizes import flops_per_token
+from megatron_rembert.parallel.grad_buffer import GradBuffer
 from megatron_rembert.run_config.load import load_config
-from megatron_rembert.training.main_grads import attach_main_grad
 from megatron_rembert.training.metrics import peak_flops
 from megatron_rembert.training.plan import RunPlan
 
@@ -64,10 +64,8 @@ def layer_times(config, micro: int, seq: int, predictions: int, masked: int, dty
     layer.unpadded = True  # the flash path, as the trainer tells the stages for packed rows
     head = MLMHeadPipe(m).to(device, dtype)
     if dtype == torch.bfloat16:  # gradients into fp32 main gradients, as the trainer's bf16
-        for module in (embedding, layer, head):
-            for param in module.parameters():
-                attach_main_grad(param, torch.zeros(param.shape, dtype=torch.float32,
-                                                    device=device))
+        GradBuffer([p for module in (embedding, layer, head) for p in module.parameters()],
+                   dp_group=None)
     hidden, *rest = embedding(inputs)
     carried = (hidden.detach().requires_grad_(), *rest)
     grad = torch.randn_like(hidden)

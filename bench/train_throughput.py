@@ -9,7 +9,7 @@ same batches, same process, measured side by side:
   ours       the same with our optimizer (training.optim.build_optimizer: fused AdamW)
   ours+ds    the trainer's real step: DeepSpeed engine (1 gloo rank, fp32, ZeRO-1 with
              ds_configs/cpu_fp32.json, as configs/demo.yaml and tiny.yaml train) around
-             ours, on the trainer's fp32 main-gradient path (training/main_grads.py).
+             ours, on the trainer's fp32 main-gradient path (parallel/grad_buffer.py).
 The ratio ours / hf is printed last.
 
 On a GPU it also reports tokens/s, TFLOP/s and MFU of the `rembert` preset (bf16, our model and

@@ -34,12 +34,18 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from megatron_rembert.checkpoint import CheckpointError
-from megatron_rembert.checkpoint.files import SafetensorsWriter, safe_open_checked
+from megatron_rembert.checkpoint.files import (
+    ST_DTYPES,
+    SafetensorsWriter,
+    StoredTensor,
+    safe_open_checked,
+)
 from megatron_rembert.checkpoint.specs import ParamSpec, merge_shards, shard
 
 FORMAT = "megatron-rembert-optimizer-shards-v1"
@@ -48,36 +54,72 @@ _KEY = re.compile(r"([a-z_]+)/(.+)@(\d+):(\d+)")
 _AGREED = ("format", "steps", "skipped_steps", "inner_step", "layout")
 
 
+def _dtype_name(handle, key: str) -> str:
+    """A stored tensor's dtype in torch's spelling (safetensors' own for types torch lacks)."""
+    names = {st: str(dt).removeprefix("torch.") for dt, st in ST_DTYPES.items()}
+    dtype = handle.get_slice(key).get_dtype()
+    return names.get(dtype, dtype)
+
+
 def shard_file(tp_rank: int, pp_rank: int, dp_rank: int) -> str:
     return f"optim_tp{tp_rank:02d}_pp{pp_rank:03d}_dp{dp_rank:03d}.safetensors"
 
 
-def save(optimizer, specs: dict[int, ParamSpec], folder: str | Path, *, tp: int = 1,
-         tp_rank: int = 0, pp: int = 1, pp_rank: int = 0) -> dict:
-    """Write this rank's file into `folder`; returns its manifest record (size, sha256).
-    `specs`: id(parameter) -> its spec (`ParamSpec.of` on the model's parameters, global
-    names)."""
+@dataclass
+class Collected:
+    """One rank's shard file, collected: its name, its tensors and header metadata."""
+
+    name: str
+    items: list[tuple[str, torch.Tensor]]
+    meta: dict[str, str]
+
+
+def collect(optimizer, specs: dict[int, ParamSpec], *, tp: int = 1, tp_rank: int = 0,
+            pp: int = 1, pp_rank: int = 0, copy: bool = False) -> Collected:
+    """This rank's fragments and counters. `specs`: id(parameter) -> its spec (`ParamSpec.of`
+    on the model's parameters, global names). `copy`: host copies that later steps cannot
+    change (for a write in the background); otherwise the tensors may be the live masters."""
     states, inner_step = optimizer.fragment_states()
     items, shapes = [], {}
     for f, tensors in zip(optimizer.all_fragments(), states, strict=True):
         spec = specs.get(id(f.param))
         if spec is None:
-            raise CheckpointError(f"{folder}: a parameter of shape {tuple(f.param.shape)} has "
-                                  "no spec (give every model parameter)")
+            raise CheckpointError(f"a parameter of shape {tuple(f.param.shape)} has no spec "
+                                  "(give every model parameter)")
         shapes[spec.name] = list(f.param.shape)
         span = f"{f.param_start}:{f.param_start + f.numel}"
-        items += [(f"{kind}/{spec.name}@{span}", t.detach().float())
+        items += [(f"{kind}/{spec.name}@{span}",
+                   t.detach().to("cpu", torch.float32, copy=True) if copy else t.detach().float())
                   for kind, t in tensors.items()]
     dp, dp_rank = optimizer.buffer.dp, optimizer.buffer.dp_rank
     meta = {"format": FORMAT, "steps": str(optimizer.steps),
             "skipped_steps": str(optimizer.skipped_steps), "inner_step": str(inner_step),
             "layout": json.dumps({"tp": tp, "pp": pp, "dp": dp}), "shapes": json.dumps(shapes)}
-    path = Path(folder) / shard_file(tp_rank, pp_rank, dp_rank)
-    with SafetensorsWriter(path, [(k, t.dtype, tuple(t.shape)) for k, t in items],
-                           metadata=meta) as writer:
-        for key, tensor in items:
+    return Collected(shard_file(tp_rank, pp_rank, dp_rank), items, meta)
+
+
+def write(collected: Collected, folder: str | Path) -> tuple[Path, dict]:
+    """Write a collected shard into `folder` (fsynced); returns its path and manifest record
+    (size, sha256, hashed while writing)."""
+    path = Path(folder) / collected.name
+    with SafetensorsWriter(path, [(k, t.dtype, tuple(t.shape)) for k, t in collected.items],
+                           metadata=collected.meta) as writer:
+        for key, tensor in collected.items:
             writer.write(key, tensor)
-    return writer.record()
+    return path, writer.record()
+
+
+def save(optimizer, specs: dict[int, ParamSpec], folder: str | Path, *, tp: int = 1,
+         tp_rank: int = 0, pp: int = 1, pp_rank: int = 0) -> dict:
+    """`collect` and `write` this rank's file into `folder`; returns its manifest record."""
+    collected = collect(optimizer, specs, tp=tp, tp_rank=tp_rank, pp=pp, pp_rank=pp_rank)
+    return write(collected, folder)[1]
+
+
+def files_of(folder: str | Path) -> list[Path]:
+    """The shard files of a step folder (by their name pattern, inside the folder only)."""
+    folder = Path(folder)
+    return sorted(p for p in folder.iterdir() if p.is_file() and _FILE.fullmatch(p.name))
 
 
 def load(optimizer, specs: dict[int, ParamSpec], folder: str | Path, *, tp: int = 1,
@@ -86,11 +128,11 @@ def load(optimizer, specs: dict[int, ParamSpec], folder: str | Path, *, tp: int 
     whatever layout wrote them; every rank calls it (the weights are refreshed with a
     collective)."""
     folder = Path(folder)
-    files = sorted(p for p in folder.iterdir() if p.is_file() and _FILE.fullmatch(p.name))
+    files = files_of(folder)
     if not files:
         raise CheckpointError(f"{folder}: no optimizer shard ({shard_file(0, 0, 0)} and the "
                               "other ranks')")
-    with _Saved(files) as saved:
+    with SavedShards(files) as saved:
         states = []
         for f in optimizer.all_fragments():
             spec = specs[id(f.param)]
@@ -102,23 +144,26 @@ def load(optimizer, specs: dict[int, ParamSpec], folder: str | Path, *, tp: int 
                                    int(meta["skipped_steps"]))
 
 
-class _Saved:
-    """The saved fragments of a step folder's shard files:
-    (kind, name, writer's TP rank) -> [(lo, hi, handle, key)]."""
+class SavedShards:
+    """The saved fragments of a step folder's shard files (`files_of`), open:
+    (kind, name, writer's TP rank) -> [(lo, hi, handle, key)]. `read` gives a rank's
+    fragment at any TP size, `full` a whole tensor."""
 
     def __init__(self, files: list[Path]):
         self.files, self._stack = files, []
+        self._path: dict[int, Path] = {}  # id(open handle) -> its file
         self.ranges: dict[tuple[str, str, int], list[tuple[int, int, object, str]]] = {}
         self.kinds: set[str] = set()
         self.meta: dict[str, str] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.layout: tuple[int, int, int] = (1, 1, 1)  # the writer's (tp, pp, dp)
 
-    def __enter__(self) -> _Saved:
+    def __enter__(self) -> SavedShards:
         for path in self.files:
             ctx = safe_open_checked(path)
             handle = ctx.__enter__()
             self._stack.append(ctx)
+            self._path[id(handle)] = path
             meta = handle.metadata() or {}
             if meta.get("format") != FORMAT:
                 raise CheckpointError(f"{path}: not an optimizer shard of {FORMAT} "
@@ -163,16 +208,38 @@ class _Saved:
         if spec.split_dim is None or saved_tp == tp:
             return self._range(kind, spec.name, 0 if spec.split_dim is None else tp_rank,
                                lo, hi)
+        return shard(self.full(kind, spec), spec, tp, tp_rank).reshape(-1)[lo:hi]
+
+    def stored(self, kind: str) -> dict[tuple[str, int], StoredTensor]:
+        """What the files hold of `kind` per (parameter name, writer's TP rank), read from the
+        headers only: the total size of its fragments (1-d) and, in the file of the first
+        fragment not in float32, its dtype (else float32)."""
+        found = {}
+        for (k, name, tp_rank), ranges in self.ranges.items():
+            if k != kind:
+                continue
+            pieces = [(self._path[id(handle)], _dtype_name(handle, key))
+                      for _, _, handle, key in ranges]
+            path, dtype = next((p for p in pieces if p[1] != "float32"), pieces[0])
+            found[(name, tp_rank)] = StoredTensor(path, name,
+                                                  (sum(hi - lo for lo, hi, _, _ in ranges),),
+                                                  dtype)
+        return found
+
+    def full(self, kind: str, spec: ParamSpec) -> torch.Tensor:
+        """The whole tensor of `kind` of `spec`'s parameter (`spec.shape`: TP shards merged,
+        vocabulary padding stripped)."""
         if spec.name not in self.shapes:
             raise CheckpointError(f"{self.files[0].parent}: no saved shard of {spec.name}")
         shape = self.shapes[spec.name]
+        saved_tp = self.layout[0] if spec.split_dim is not None else 1
         shards = [self._range(kind, spec.name, t, 0, math.prod(shape)).view(shape)
                   for t in range(saved_tp)]
         padded = list(shape)
-        padded[spec.split_dim] *= saved_tp
-        full = merge_shards(shards, ParamSpec(spec.name, spec.split_dim, tuple(padded),
+        if spec.split_dim is not None:
+            padded[spec.split_dim] *= saved_tp
+        return merge_shards(shards, ParamSpec(spec.name, spec.split_dim, tuple(padded),
                                               spec.shape, spec.layer))
-        return shard(full, spec, tp, tp_rank).reshape(-1)[lo:hi]
 
     def _range(self, kind: str, name: str, writer_tp_rank: int, lo: int,
                hi: int) -> torch.Tensor:

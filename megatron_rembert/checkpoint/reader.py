@@ -3,9 +3,11 @@
 Two kinds of `step_XXXXXXXX/` folders are read:
 - DeepSpeed's files as the trainer saves them (pp = 1: `mp_rank_{tp}_model_states.pt` with the
   TP shard under `module`, and at ZeRO stage 0 the torch optimizer's state under `optimizer`;
-  pp > 1: `layer_{idx}-model_{tp}-model_states.pt` per pipeline layer; ZeRO-1/2 optimizer
-  partitions `zero_pp_rank_{dp}_mp_rank_{pp*tp+tp}_optim_states.pt`, named with a `bf16_`
-  prefix when the run trained in bf16);
+  pp > 1: `layer_{idx}-model_{tp}-model_states.pt` per pipeline layer), with the optimizer
+  state either in our distributed optimizer's shard files (the production path: meta.json's
+  `optimizer_format`, checkpoint/optimizer_shards.py) or, from DeepSpeed's own optimizers,
+  in its ZeRO-1/2 partitions `zero_pp_rank_{dp}_mp_rank_{pp*tp+tp}_optim_states.pt` (named
+  with a `bf16_` prefix when the run trained in bf16);
 - the portable format (portable.py): full tensors per pipeline layer.
 
 Both give full (TP-merged) tensors with the vocabulary padding stripped, one at a time; files
@@ -24,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_rembert.checkpoint import CheckpointError
+from megatron_rembert.checkpoint import CheckpointError, optimizer_shards
 from megatron_rembert.checkpoint.files import (
     StoredTensor,
     deepspeed_safe_globals,
@@ -79,7 +81,10 @@ class CheckpointReader:
         # ZeRO stage 0 (fp32, pp = 1): the torch optimizer's state in the model files, by
         # (TP rank, global name).
         self.zero_stage = int(self.meta["config"].get("parallel", {}).get("zero_stage", 0))
-        self._plain = not self.portable and self.zero_stage == 0
+        # our distributed optimizer's shard files (optimizer_shards.py), opened when first read
+        self.shard_files = self.meta.get("optimizer_format") == optimizer_shards.FORMAT
+        self._shards: optimizer_shards.SavedShards | None = None
+        self._plain = not self.portable and not self.shard_files and self.zero_stage == 0
         self._allowed = deepspeed_safe_globals() if not self.portable else []
         self._portable = PortableReader(self.folder) if self.portable else None
 
@@ -234,11 +239,23 @@ class CheckpointReader:
         return (osd["single_partition_of_fp32_groups"][group] if key == "fp32"
                 else osd["base_optimizer_state"]["state"][group][key])
 
+    def _saved_shards(self) -> optimizer_shards.SavedShards:
+        if self._shards is None:
+            files = optimizer_shards.files_of(self.folder)
+            if not files:
+                raise CheckpointError(f"{self.folder}: no optimizer shard files "
+                                      "(optim_tp*_pp*_dp*.safetensors), though meta.json names "
+                                      "their format: the folder is incomplete; copy it again")
+            self._shards = optimizer_shards.SavedShards(files).__enter__()
+        return self._shards
+
     def stored_optimizer(self) -> dict[tuple[str, int], StoredTensor]:
         """What the ZeRO files hold of each parameter, by (global name, TP rank), without
         merging anything: the total size of its fragments as a 1-d shape, and the dtype of
         the flat partitions they lie in (the fp32 master weights' or, if not float32, the
         first Adam moment's that is not). Names come from `param_slice_mappings`."""
+        if self.shard_files:
+            return self._saved_shards().stored("master")
         if self._optim_index is None:
             self._optim_index = self._index_optimizer()
         found = {}
@@ -280,6 +297,8 @@ class CheckpointReader:
                                   "state")
         if self._portable is not None:
             return self._portable.full(spec.name if key == "fp32" else f"{key}/{spec.name}")
+        if self.shard_files:
+            return self._saved_shards().full("master" if key == "fp32" else key, self._own(spec))
         if self._optim_index is None:
             self._optim_index = self._index_optimizer()
         spec = self._own(spec)
@@ -289,7 +308,7 @@ class CheckpointReader:
         """Whether `master_weight` reads fp32 masters kept apart from the module weights (the
         ZeRO files of a stage 1/2 checkpoint) rather than the weights as stored: a portable
         checkpoint's are its masters already, and without ZeRO the run trained in fp32."""
-        return not self.portable and self.zero_stage > 0
+        return not self.portable and (self.shard_files or self.zero_stage > 0)
 
     def master_weight(self, spec: ParamSpec) -> torch.Tensor:
         """The most precise copy of a weight the checkpoint holds, full, vocabulary stripped:
@@ -319,6 +338,13 @@ class CheckpointReader:
         """Step counts per parameter group, LR schedule, counters: what resumes the optimizer."""
         if self.portable:
             return dict(self.meta["optimizer"])
+        if self.shard_files:
+            saved = self._saved_shards().meta
+            states = self._load(self.folder / "mp_rank_00_model_states.pt")
+            inner = float(saved["inner_step"])
+            return {"steps": [inner, inner],  # the two groups of training/optim.py
+                    "lr_scheduler": states.get("lr_scheduler"),
+                    "skipped_steps": int(saved["skipped_steps"]), "loss_scale": 1.0}
         if self._optim_index is None:
             self._optim_index = self._index_optimizer()
         states = self._load(self.folder / "mp_rank_00_model_states.pt")
@@ -328,6 +354,9 @@ class CheckpointReader:
 
     def close(self) -> None:
         self._files.clear()
+        if self._shards is not None:
+            self._shards.__exit__(None, None, None)
+            self._shards = None
         if self._portable is not None:
             self._portable.close()
 

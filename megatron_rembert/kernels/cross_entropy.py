@@ -413,7 +413,7 @@ def linear_cross_entropy(
             recompute every chunk. Only when a gradient is needed; a graph that kept logits
             can be backwarded once.
         main_grads: fp32 buffers of the shapes of weight and bias (the trainer's main
-            gradients, training/main_grads.py) into which backward adds grad_weight and
+            gradients, parallel/grad_buffer.py) into which backward adds grad_weight and
             grad_bias, summed in fp32 without a rounding to the weight's dtype; autograd then
             gets no gradient for that tensor. None (each): returned as usual.
         backend: "auto" (CUDA -> Triton, CPU -> torch), "triton" or "torch".

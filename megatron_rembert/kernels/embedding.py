@@ -4,7 +4,7 @@
 row added in): for RemBERT's 250k x 256 table that is 64M elements written per micro-batch
 whatever the number of tokens, and the trainer then adds all of them into its fp32 gradient
 buffer. `embedding_into_main_grad` adds each token's gradient row straight into that buffer
-(`main_grad`: fp32, V_local x E, set by training/main_grads.py) and hands autograd no gradient
+(`main_grad`: fp32, V_local x E, set by parallel/grad_buffer.py) and hands autograd no gradient
 for the table: T x E work for T tokens, in fp32 from the first addition.
 
 The addition is deterministic on both devices: `index_add_` on CPU; on CUDA, where

@@ -84,7 +84,7 @@ class MLMHead(nn.Module):
         x = copy_to_tp(self.transform(hidden))  # N x E_out; each shard adds its grad part
         dec = self.decoder
         if self.loss_backend == "fused":
-            # Under the trainer's fp32 main gradients (training/main_grads.py) the output
+            # Under the trainer's fp32 main gradients (parallel/grad_buffer.py) the output
             # embedding's gradient is summed straight into them: no V_local x E gradient in the
             # weight's dtype, no conversion afterwards.
             main_grads = ((_main_grad(dec.weight), _main_grad(dec.bias))

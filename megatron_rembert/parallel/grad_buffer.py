@@ -45,6 +45,25 @@ DEFAULT_BUCKET_ELEMENTS = 40_000_000  # Megatron-Core's default bucket size
 REDUCE_OPS = ("sum", "mean")
 
 
+def lay_out(sizes: list[int], bucket_elements: int, dp: int
+            ) -> tuple[list[int], list[tuple[int, int, int, int]]]:
+    """Where parameters of `sizes` elements (in buffer order) start, and the buckets: per
+    bucket (first parameter, one past its last, start, end), as GradBuffer lays them out.
+    Also what training/communication.py counts the DP collectives by."""
+    starts: list[int] = []
+    bounds: list[tuple[int, int, int, int]] = []
+    first = bucket_start = offset = 0
+    for i, size in enumerate(sizes):
+        offset = _round_up(offset, ALIGN)
+        starts.append(offset)
+        offset += size
+        if offset - bucket_start >= bucket_elements or i == len(sizes) - 1:
+            end = bucket_start + _round_up(offset - bucket_start, dp * ALIGN)
+            bounds.append((first, i + 1, bucket_start, end))
+            first, bucket_start, offset = i + 1, end, end
+    return starts, bounds
+
+
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -128,22 +147,13 @@ class GradBuffer:
         self._names = {id(p): f"parameter {i} ({tuple(p.shape)})"
                        for i, p in enumerate(unique.values())}
         self.started_in_finish = 0  # buckets of the last step started by finish(), not backward
+        self.clean = True  # nothing accumulated since the last zero()
 
     # -- layout ------------------------------------------------------------------------------
     def _lay_out(self, dtype: torch.dtype, params: list[torch.nn.Parameter]) -> DtypeGroup:
-        spans: list[tuple[list[torch.nn.Parameter], int, int]] = []
-        offsets: dict[int, int] = {}
-        members: list[torch.nn.Parameter] = []
-        bucket_start = offset = 0
-        for i, p in enumerate(params):
-            offset = _round_up(offset, ALIGN)
-            offsets[id(p)] = offset
-            offset += p.numel()
-            members.append(p)
-            if offset - bucket_start >= self.bucket_elements or i == len(params) - 1:
-                end = bucket_start + _round_up(offset - bucket_start, self.dp * ALIGN)
-                spans.append((members, bucket_start, end))
-                members, bucket_start, offset = [], end, end
+        starts, bounds = lay_out([p.numel() for p in params], self.bucket_elements, self.dp)
+        offsets = {id(p): start for p, start in zip(params, starts, strict=True)}
+        spans = [(params[first:last], start, end) for first, last, start, end in bounds]
         total = spans[-1][2]
         device = params[0].device
         grads = torch.zeros(total, dtype=torch.float32, device=device)
@@ -179,6 +189,7 @@ class GradBuffer:
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         self._used.add(id(param))
+        self.clean = False
         if self._armed and id(param) in self._unused:
             _, bucket, _ = self.ranges[id(param)]
             if bucket.index < self._next:
@@ -254,6 +265,7 @@ class GradBuffer:
             g.grads.zero_()
         for p in self.params():
             p.grad = None
+        self.clean = True
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

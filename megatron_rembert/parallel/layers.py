@@ -115,7 +115,7 @@ class VocabParallelEmbedding(nn.Module):
         self.local_padding_idx = local_pad
 
     def _lookup(self, local_ids: torch.Tensor) -> torch.Tensor:
-        """Rows of this shard. Under the trainer's fp32 main gradients (training/main_grads.py)
+        """Rows of this shard. Under the trainer's fp32 main gradients (parallel/grad_buffer.py)
         backward adds each token's row into `weight.main_grad` (tokens x E work) instead of
         producing a dense V_local x E gradient."""
         main_grad = getattr(self.weight, "main_grad", None)

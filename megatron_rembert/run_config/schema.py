@@ -38,6 +38,10 @@ class ParallelConfig:
         "",
         help=(
             "JSON with further DeepSpeed knobs (buckets, loss scaler); optional"))
+    grad_bucket_elements: int = setting(
+        40_000_000,
+        help=("elements per gradient bucket (ZeRO-1 in bf16/fp32): each bucket's DP "
+              "reduce-scatter starts as soon as backward has produced its gradients"))
     activation_checkpointing: bool = setting(False,
                                              help="recompute each Transformer layer in backward")
     stage_memory_gib: float = setting(
@@ -212,6 +216,7 @@ RANGES: dict[str, Range] = {
     **{f"model.{name}": allowed for name, allowed in MODEL_RANGES.items()},
     "parallel.tp": AT_LEAST_1,
     "parallel.pp": AT_LEAST_1,
+    "parallel.grad_bucket_elements": AT_LEAST_1,
     "parallel.zero_stage": Range(0, 2),
     "parallel.timeout_minutes": POSITIVE,
     "parallel.stage_memory_gib": AT_LEAST_0,

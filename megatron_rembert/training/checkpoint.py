@@ -8,6 +8,13 @@ what needs the engine. Each step folder holds DeepSpeed's per-rank files plus
 `GuardedCheckpointEngine`, which hashes it right after writing (each rank its own files, in
 parallel) and reads only with `torch.load(weights_only=True)`: a pickle that carries code is
 refused, never run, even in a checkpoint that predates manifests.
+
+On the production path (our distributed optimizer, training/data_parallel.py) DeepSpeed's
+files hold the weights as trained, the LR schedule and the counters, and every rank writes its
+own optimizer fragments (fp32 masters, moments) into `optim_tp*_pp*_dp*.safetensors`
+(checkpoint/optimizer_shards.py; meta.json says `optimizer_format`). A resume at any TP x PP x
+DP reads those: the masters are the weights of record, so DeepSpeed's model files are not
+needed for it.
 """
 
 from __future__ import annotations
@@ -27,10 +34,11 @@ from pathlib import Path
 import torch
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
-from megatron_rembert.checkpoint import CheckpointError
+from megatron_rembert.checkpoint import CheckpointError, optimizer_shards
 from megatron_rembert.checkpoint.files import deepspeed_safe_globals, torch_load_weights
-from megatron_rembert.checkpoint.portable import is_portable
+from megatron_rembert.checkpoint.portable import PortableReader, is_portable
 from megatron_rembert.checkpoint.reader import CheckpointReader
+from megatron_rembert.checkpoint.specs import ParamSpec
 from megatron_rembert.checkpoint.step_folder import (
     COMPLETE,
     LATEST,
@@ -47,11 +55,18 @@ from megatron_rembert.fs import (
     write_errors,
     write_failure,
 )
-from megatron_rembert.parallel import comm
+from megatron_rembert.parallel import comm, state
 from megatron_rembert.parallel import random as tp_random
 from megatron_rembert.training import deepspeed_private
+from megatron_rembert.training.distributed_optimizer import DistributedOptimizer
 from megatron_rembert.training.divergence import DivergenceError, check_weights
-from megatron_rembert.training.full_tensors import load_full_tensors, load_portable
+from megatron_rembert.training.full_tensors import (
+    load_full_tensors,
+    load_into_fragments,
+    load_portable,
+    local_parameters,
+    restore_schedule,
+)
 
 RECORDS = ".hashes"  # per-rank hashes of one save, merged into manifest.json by rank 0
 
@@ -103,6 +118,7 @@ class GuardedCheckpointEngine(TorchCheckpointEngine):
         super().__init__(config_params)
         self.records: dict[str, dict] = {}  # absolute path -> {"size", "sha256"}
         self.files: list[tuple[str, object]] = []  # (path, state) of this save, to write
+        self.shards: optimizer_shards.Collected | None = None  # our optimizer's, to write
         self.copy = False  # snapshot each state: it is written after training goes on
         self.memo: dict = {}  # the snapshots of one save: a storage met twice is copied once
         self.pending: PendingSave | None = None  # the background save in flight
@@ -122,6 +138,7 @@ class GuardedCheckpointEngine(TorchCheckpointEngine):
     def release(self) -> None:
         """Drops this save's states (and their host copies) once they are written."""
         self.files = []
+        self.shards = None
         self.memo = {}
 
     def makedirs(self, path, exist_ok=False) -> None:
@@ -233,6 +250,9 @@ def save_checkpoint(engine, save_dir: str | Path, step: int, consumed_samples: i
     wait_for_save(engine)
     save_dir = Path(save_dir)
     folder = save_dir / step_tag(step)
+    owned = isinstance(engine.optimizer, DistributedOptimizer)
+    if owned:
+        meta = {**meta, "optimizer_format": optimizer_shards.FORMAT}
     if not background:
         check_weights(engine.module.parameters(), step, max_weight_abs, save_dir)
     if comm.rank() == 0:  # a partial folder left by a kill at this step; never through a link
@@ -267,6 +287,9 @@ def save_checkpoint(engine, save_dir: str | Path, step: int, consumed_samples: i
                                                  "consumed_samples": consumed_samples})
             if guard.failed is not None:  # held through DeepSpeed's barriers
                 raise guard.failed
+        if owned:
+            guard.shards = optimizer_shards.collect(engine.optimizer, _specs(engine, meta),
+                                                    copy=background, **_where())
         rng = tp_random.get_rng_states()
         guard.files.append((str(folder / "rng" / f"rank_{comm.rank():05d}.pt"),
                             snapshot(rng) if background else rng))
@@ -305,17 +328,57 @@ def save_checkpoint(engine, save_dir: str | Path, step: int, consumed_samples: i
 
 def _write_files(guard: GuardedCheckpointEngine, folder: Path) -> None:
     """This rank's files of the step folder (DeepSpeed's and its RNG states), then its hashes."""
-    for path, state in guard.files:
+    for path, saved in guard.files:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        guard.write(state, path)
+        guard.write(saved, path)
     if guard.failed is not None:
         raise guard.failed
+    if guard.shards is not None:
+        with write_errors(folder / guard.shards.name):
+            path, record = optimizer_shards.write(guard.shards, folder)
+        guard.records[str(path.resolve())] = record
     # Each rank's hashes, as paths relative to the folder (nodes may mount it elsewhere),
     # go into a small file of their own; rank 0 merges them into the manifest.
     root = folder.resolve()
     atomic_write_json(folder / RECORDS / f"rank_{comm.rank():05d}.json",
                       {str(Path(p).relative_to(root)): r
                        for p, r in guard.records.items() if Path(p).is_relative_to(root)})
+
+
+def _specs(engine, meta: dict) -> dict[int, ParamSpec]:
+    """id(parameter) -> its spec (global names) for this rank's parameters."""
+    layers = int(meta["config"]["model"]["num_hidden_layers"])
+    return {id(p): ParamSpec.of(n, p, layers) for n, p in local_parameters(engine.module)}
+
+
+def _where() -> dict:
+    """This rank's place among the model-parallel ranks, as optimizer_shards names its file."""
+    parallel = state.get_state()
+    return {"tp": parallel.tp, "tp_rank": parallel.tp_rank, "pp": parallel.layout.pp,
+            "pp_rank": parallel.pp_rank}
+
+
+def _load_owned(engine, step: StepFolder, how: str) -> None:
+    """Our distributed optimizer (any layout): from its own shard files, or from full tensors
+    (a portable checkpoint, or one of DeepSpeed's optimizers read by CheckpointReader)."""
+    folder, meta = step.path, step.meta
+    if meta.get("optimizer_format") != optimizer_shards.FORMAT:
+        if is_portable(meta):
+            with PortableReader(folder) as reader:
+                load_into_fragments(engine, reader, meta)
+            return
+        with CheckpointReader(step, verify_files=False) as reader:
+            load_into_fragments(engine, reader, {**meta, "weights_only": False,
+                                                 "optimizer": reader.optimizer_meta()})
+        return
+    where = _where()
+    optimizer_shards.load(engine.optimizer, _specs(engine, meta), folder, tp=where["tp"],
+                          tp_rank=where["tp_rank"])
+    with CheckpointReader(step, verify_files=False) as reader:
+        restore_schedule(engine, meta, reader.optimizer_meta())
+    rng_file = folder / "rng" / f"rank_{comm.rank():05d}.pt"
+    if how == "same" and rng_file.exists():
+        tp_random.set_rng_states(torch_load_weights(rng_file, mmap=False))
 
 
 def load_checkpoint(engine, step: StepFolder, how: str = "same") -> ResumeState:
@@ -331,10 +394,14 @@ def load_checkpoint(engine, step: StepFolder, how: str = "same") -> ResumeState:
     with comm.agree_or_raise(CheckpointError, lambda error, ranks: error or CheckpointError(
             f"{folder}: a file differs from its manifest.json (another rank's error names it)")):
         verify(folder, share=(comm.rank(), comm.world_size()))  # the ranks split the hashing
+    resumed = ResumeState(step=int(meta["step"]), consumed_samples=int(meta["consumed_samples"]))
+    if isinstance(engine.optimizer, DistributedOptimizer):
+        _load_owned(engine, step, how)
+        return resumed
     if is_portable(meta):
         load_portable(engine, step)
-        return ResumeState(step=int(meta["step"]), consumed_samples=int(meta["consumed_samples"]))
-    if how == "full":
+        return resumed
+    if how == "full" or meta.get("optimizer_format") == optimizer_shards.FORMAT:
         with CheckpointReader(step, verify_files=False) as reader:
             load_full_tensors(engine, reader, {**meta, "weights_only": False,
                                                "optimizer": reader.optimizer_meta()})

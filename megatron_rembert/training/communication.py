@@ -16,11 +16,12 @@ What overlaps compute (the rest is exposed: bytes / bandwidth adds to the step):
   all-gather of the hidden states comes before the stage's compute: exposed.
 - PP: DeepSpeed's pipeline engine sends and receives with blocking calls between its 1F1B
   compute instructions: exposed, both directions.
-- DP, path "allreduce" (today, training/main_grads.py): the fp32 main gradients are summed after
-  the last backward, the ZeRO-1 step's weights all-gathered after the step: exposed.
-- DP, path "reduce_scatter" (planned): the fp32 gradients reduce-scattered in buckets during
-  the last micro-batch's backward, hidden up to that backward's compute time (two thirds of the
-  stage's FLOPs of one micro-batch); the weights' all-gather after the step: exposed.
+- DP, path "reduce_scatter" (ZeRO-1 in bf16 or fp32: training/data_parallel.py): the fp32
+  gradients reduce-scattered bucket by bucket (parallel/grad_buffer.py's layout, one call per
+  bucket), at pp = 1 during the last micro-batch's backward, hidden up to that backward's
+  compute time (two thirds of the stage's FLOPs of one micro-batch); at pp > 1 they start at
+  the step (DeepSpeed's pipeline schedule gives no hook for the last backward): exposed. The
+  weights' all-gather after the step, bucket by bucket: exposed.
 - DP, path "deepspeed" (fp16, ZeRO-2, fp32 without ZeRO: DeepSpeed's own reduction): an
   estimate of the same shape that no test checks.
 """
@@ -33,20 +34,19 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_rembert.data import batch
-from megatron_rembert.model.cost import tp_all_reduces
+from megatron_rembert.model.cost import parameter_table, tp_all_reduces
 from megatron_rembert.model.pipeline import PIPE_ACTIVATIONS
+from megatron_rembert.parallel.grad_buffer import lay_out
 from megatron_rembert.parallel.layout import Layout, layout_rank
 from megatron_rembert.run_config.schema import Config
-from megatron_rembert.training import main_grads
+from megatron_rembert.training import data_parallel
 from megatron_rembert.training.links import LinkAssumptions
 from megatron_rembert.training.plan import RunPlan
 
 # How the DP gradients are reduced: the path a run takes is `dp_path(config)`.
 DP_PATHS = {
-    "allreduce": "fp32 all-reduce of the main gradients after backward, then the ZeRO-1 "
-                 "weights' all-gather; nothing overlapped",
-    "reduce_scatter": "fp32 reduce-scatter in buckets during the last backward, then the "
-                      "weights' all-gather",
+    "reduce_scatter": "fp32 reduce-scatter in buckets (during the last backward at pp = 1), "
+                      "then the weights' all-gather",
     "deepspeed": "DeepSpeed's own reduction (estimate)",
 }
 # training/optim.py's parameter groups (with and without weight decay): DeepSpeed keeps one
@@ -56,8 +56,8 @@ META_ELEMENTS_BASE = 7  # DeepSpeed's PartitionedTensor meta: [3, B, S, H, tp, r
 
 
 def dp_path(config: Config) -> str:
-    """The DP gradient path a run of `config` takes today."""
-    return "allreduce" if main_grads.applies(config) else "deepspeed"
+    """The DP gradient path a run of `config` takes."""
+    return "reduce_scatter" if data_parallel.applies(config) else "deepspeed"
 
 
 def activation_bytes(config: Config) -> int:
@@ -175,9 +175,9 @@ def _pp(config: Config, plan: RunPlan, stage: int, rank: int) -> list[Collective
 
 
 def _dp(config: Config, plan: RunPlan, stage: int, rank: int, path: str) -> list[Collective]:
-    """Per optimizer step (after all micro-batches), over this rank's parameters (its TP shard of
-    its stage's layers, vocabulary padding included; DeepSpeed pads each flat parameter group
-    to a multiple of 2 x dp elements on top)."""
+    """Per optimizer step, over this rank's parameters (its TP shard of its stage's layers,
+    vocabulary padding included): our buckets with their alignment padding, or DeepSpeed's
+    flat parameter groups (padded on top to a multiple of 2 x dp elements, not counted)."""
     layout = plan.layout
     if layout.dp == 1:
         return []
@@ -186,19 +186,30 @@ def _dp(config: Config, plan: RunPlan, stage: int, rank: int, path: str) -> list
     params = int(plan.stages.parameters[stage])
     weight, ranks = activation_bytes(config), group_ranks(layout, rank, "DP")
     groups = OPTIMIZER_GROUPS
+    if path == "reduce_scatter":
+        buckets = _buckets(config, plan, stage)
+        elements = sum(end - start for _, _, start, end in buckets)
+        return [Collective("DP", "reduce-scatter", "fp32 gradients, bucketed", 4 * elements,
+                           len(buckets), ranks,
+                           overlap="backward" if layout.pp == 1 else "none"),
+                Collective("DP", "all-gather", "weights after the ZeRO-1 step",
+                           weight * elements, len(buckets), ranks)]
     gather = Collective("DP", "all-gather", "weights after the ZeRO-1 step", weight * params,
                         groups, ranks)
-    if path == "allreduce":
-        return [Collective("DP", "all-reduce", "fp32 main gradients", 4 * params, groups,
-                           ranks), gather]
-    if path == "reduce_scatter":  # buckets: calls depend on the bucket size, counted as groups
-        return [Collective("DP", "reduce-scatter", "fp32 gradients, bucketed", 4 * params,
-                           groups, ranks, overlap="backward"), gather]
     if config.parallel.zero_stage == 0:  # the engine all-reduces the gradients after backward
         return [Collective("DP", "all-reduce", "gradients (DeepSpeed)", weight * params, groups,
                            ranks)]
     return [Collective("DP", "reduce-scatter", "gradients, counted as fp32 (DeepSpeed, "
                        "overlap_comm)", 4 * params, groups, ranks, overlap="backward"), gather]
+
+
+def _buckets(config: Config, plan: RunPlan, stage: int) -> list[tuple[int, int, int, int]]:
+    """The gradient buckets of a rank of `stage` (parallel/grad_buffer.py's layout of its
+    parameters, in reverse registration order)."""
+    bounds = plan.stages.boundaries
+    sizes = [p.local for p in parameter_table(config.model, plan.layout.tp)
+             if bounds[stage] <= p.layer < bounds[stage + 1]]
+    return lay_out(sizes[::-1], config.parallel.grad_bucket_elements, plan.layout.dp)[1]
 
 
 def step_collectives(config: Config, plan: RunPlan, stage: int,

@@ -1,10 +1,13 @@
 """Every private DeepSpeed name the trainer relies on, in one place, checked at start-up.
 
 DeepSpeed's public API does not reach what the trainer needs (our stage split for the pipeline,
-the BF16 optimizer's flat fp32 buffers, a hang report per pipeline instruction), so a few
-private attributes are used. Their behaviour is what DeepSpeed 0.19 does; `check_private_names`
-fails at start-up, naming the installed version and the missing name, instead of a run failing
-later in an AttributeError or, worse, training differently.
+a hang report per pipeline instruction, the checkpoint engine's writes, and on DeepSpeed's own
+ZeRO path, fp16 and ZeRO-2, its flat fp32 partitions for LAMB and for loading full tensors), so
+a few private attributes are used (the production path's gradients and optimizer step,
+training/data_parallel.py, go through the engine's public API only). Their behaviour is what
+DeepSpeed 0.19 does; `check_private_names` fails at start-up, naming the installed version and
+the missing name, instead of a run failing later in an AttributeError or, worse, training
+differently.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from pathlib import Path
 # class path -> the private names we use on it or its instances: methods and class attributes,
 # or instance attributes its code assigns (`self._topo = ...`). tests/training/
 # test_deepspeed_private.py derives the names the package uses from its code and checks that
-# each is here (or in the built-optimizer tables below) and used in no other module.
+# each is here and used in no other module.
 PRIVATE_NAMES = {
     "deepspeed.runtime.pipe.module.PipelineModule": ("_partition_layers", "_set_bounds",
                                                      "_topo"),
@@ -23,29 +26,14 @@ PRIVATE_NAMES = {
     # its failure like the engine's other writes); `_config`: what a checkpoint engine is
     # built from
     "deepspeed.runtime.engine.DeepSpeedEngine": ("_copy_recovery_script", "_config"),
-    # `_hp_mapping`: where a parameter's fragment lies in the flat fp32 partition
-    "deepspeed.runtime.bf16_optimizer.BF16_Optimizer": (
-        "_lazy_init_hp_params_optimizer_state", "_global_grad_norm", "_hp_mapping"),
+    # `_hp_mapping`: where a parameter's fragment lies in the flat fp32 partition (LAMB);
+    # the optimizer state's link to it, renewed after a load
     "deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer": (
-        "_lazy_init_hp_params_optimizer_state", "_link_all_hp_params", "_global_grad_norm",
-        "_hp_mapping"),
+        "_lazy_init_hp_params_optimizer_state", "_hp_optimizer_states_linked", "_hp_mapping"),
 }
-# Instance attributes of a built BF16_Optimizer that training/main_grads.py reads.
-BF16_BUFFERS = ("bf16_groups", "fp32_groups_gradients", "fp32_groups_gradients_flat",
-                "fp32_groups_flat_partition", "fp32_groups_gradient_flat_partition",
-                "update_lp_params", "optimizer", "clip_grad", "overflow",
-                "_hp_optimizer_states_linked")
-# Instance attributes of a built DeepSpeedZeroOptimizer that training/main_grads.py reads or
-# replaces (fp32 weights, ZeRO-1).
-ZERO1_BUFFERS = ("bit16_groups", "bit16_groups_flat", "parallel_partitioned_bit16_groups",
-                 "single_partition_of_fp32_groups", "real_dp_process_group", "groups_padding",
-                 "partition_gradients", "cpu_offload", "dtype", "master_weights_and_grads_dtype",
-                 "torch_autocast_gradscaler", "_grad_acc_hooks", "update_lp_params",
-                 "optimizer", "clip_grad", "overflow", "_hp_optimizer_states_linked")
-# (lp-parameter groups, flat fp32 partitions) of the wrappers that partition: ZeRO 1 and 2,
-# and the BF16_Optimizer (training/lamb.py and training/full_tensors.py read them).
-FLAT_PARTITIONS = (("bit16_groups", "single_partition_of_fp32_groups"),
-                   ("bf16_groups", "fp32_groups_flat_partition"))
+# (lp-parameter groups, flat fp32 partitions) of DeepSpeed's ZeRO 1/2 optimizer (training/
+# lamb.py and training/full_tensors.py read them).
+FLAT_PARTITIONS = (("bit16_groups", "single_partition_of_fp32_groups"),)
 SUPPORTED = "0.19"  # the minor version these names were read from (pyproject bounds it too)
 
 
@@ -93,80 +81,10 @@ def check_private_names() -> None:
                 raise _missing(f"{path} has no {name}")
 
 
-def check_bf16_optimizer(optimizer) -> None:
-    """The built BF16_Optimizer has the buffers training/main_grads.py works on."""
-    for name in BF16_BUFFERS:
-        if not hasattr(optimizer, name):
-            raise _missing(f"{type(optimizer).__name__} has no attribute {name}")
-
-
-def is_fp32_zero1(optimizer) -> bool:
-    """DeepSpeedZeroOptimizer at ZeRO-1 with fp32 weights, master weights and gradients, nothing
-    offloaded: the wrapper training/main_grads.py can take the gradient path of."""
-    import torch
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
-    if not isinstance(optimizer, DeepSpeedZeroOptimizer):
-        return False
-    for name in ZERO1_BUFFERS:
-        if not hasattr(optimizer, name):
-            raise _missing(f"{type(optimizer).__name__} has no attribute {name}")
-    return (not optimizer.partition_gradients and not optimizer.cpu_offload
-            and optimizer.dtype == torch.float32
-            and optimizer.master_weights_and_grads_dtype == torch.float32
-            and optimizer.torch_autocast_gradscaler is None
-            and not getattr(optimizer, "zenflow", False))
-
-
-def replace_fp32_partitions(optimizer, masters: list) -> None:
-    """Make `masters` (one flat fp32 tensor per parameter group, of the partitions' sizes) the
-    ZeRO optimizer's master partitions, before its first step: the inner optimizer steps them,
-    DeepSpeed saves and loads them, and each parameter's fragment mapping points into them.
-    A master that is a slice of a larger buffer is saved as a copy of its own (torch.save
-    writes a view's whole storage: every DP rank would write the whole model)."""
-    from deepspeed.checkpoint.constants import SINGLE_PARTITION_OF_FP32_GROUPS
-
-    if optimizer.optimizer.state:
-        raise RuntimeError("ZeRO's master partitions can only be replaced before the first step")
-    for i, master in enumerate(masters):
-        old = optimizer.single_partition_of_fp32_groups[i]
-        if master.shape != old.shape or master.dtype != old.dtype:
-            raise RuntimeError(f"ZeRO's master partition {i} is {tuple(old.shape)} {old.dtype}, "
-                               f"the replacement {tuple(master.shape)} {master.dtype}")
-        optimizer.single_partition_of_fp32_groups[i] = master
-        optimizer.optimizer.param_groups[i]["params"] = [master]
-    optimizer._link_all_hp_params()
-    optimizer._hp_optimizer_states_linked = False
-    state_dict = optimizer.state_dict
-
-    def state_dict_of_own_partitions():
-        sd = state_dict()
-        sd[SINGLE_PARTITION_OF_FP32_GROUPS] = [
-            t.clone() if t.untyped_storage().nbytes()
-            > (t.numel() + optimizer.groups_padding[i]) * t.element_size() else t
-            for i, t in enumerate(sd[SINGLE_PARTITION_OF_FP32_GROUPS])]
-        return sd
-
-    optimizer.state_dict = state_dict_of_own_partitions
-
-
-def remove_zero_gradient_hooks(optimizer) -> None:
-    """Remove the ZeRO optimizer's per-parameter gradient hooks (they copy each gradient into
-    its reduction buckets)."""
-    for handle in optimizer._grad_acc_hooks:
-        handle.remove()
-    optimizer._grad_acc_hooks.clear()
-
-
 def relink_optimizer_state(optimizer) -> None:
     """Point every parameter's fragment mapping at the optimizer's current state tensors (done
     lazily after the first step; again after the state was replaced, e.g. by a load)."""
     optimizer._hp_optimizer_states_linked = False
-    optimizer._lazy_init_hp_params_optimizer_state()
-
-
-def link_optimizer_state_once(optimizer) -> None:
-    """What DeepSpeed's BF16_Optimizer.step does after the first optimizer step."""
     optimizer._lazy_init_hp_params_optimizer_state()
 
 
@@ -193,8 +111,8 @@ def wrap_pipeline_instructions(engine, wrap) -> None:
 
 
 def disable_engine_gradient_reduction(engine, pipeline: bool) -> None:
-    """The engine no longer all-reduces gradients after backward (main_grads.py does it once
-    per step, in place)."""
+    """The engine no longer all-reduces gradients after backward (fp32 without ZeRO on one DP
+    rank: nothing to reduce)."""
     if pipeline:
         engine.pipeline_enable_backward_allreduce = False
     else:
@@ -206,13 +124,8 @@ def engine_config(engine):
     return engine._config
 
 
-def set_global_grad_norm(optimizer, norm: float) -> None:
-    """The norm the engine reports (`get_global_grad_norm`) for the step just taken."""
-    optimizer._global_grad_norm = norm
-
-
 def fp32_partitions(optimizer) -> list | None:
-    """This rank's flat fp32 partitions of a partitioning wrapper (ZeRO or BF16_Optimizer);
+    """This rank's flat fp32 partitions of a partitioning wrapper (ZeRO 1/2);
     None for a wrapper that keeps none (fp32 without ZeRO)."""
     for _, flats in FLAT_PARTITIONS:
         if getattr(optimizer, flats, None):

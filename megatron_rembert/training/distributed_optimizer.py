@@ -14,7 +14,7 @@ A step (`step()`, after the last micro-batch's backward):
 1. waits for the buckets' reduce-scatters (`GradBuffer.finish`);
 2. the global gradient norm from the shards: squares summed over the DP group and the
    model-parallel group, parameters replicated over TP counted on TP rank 0 only (the rule of
-   training/main_grads.py and DeepSpeed), read once on the host;
+   DeepSpeed's), read once on the host;
 3. a norm that is not finite skips the step on every rank alike (they all read the same
    reduced norm): weights, masters and optimizer state stay, `skipped_steps` counts it, the
    gradients are cleared; `overflow` says so until the next step (DeepSpeed's engine reads it
@@ -29,10 +29,10 @@ LAMB's trust ratio is that of the whole parameter: the fragments' squared norms 
 update are summed over the DP group (and the TP group for TP-split parameters) before the
 ratio (`Lamb.use_fragments`).
 
-`state_dict()` is this rank's (its masters and the inner optimizer's state of its fragments);
-`load_state_dict` takes one from the same layout (DP size and rank, buckets) and refreshes the
-weights on every rank (a collective). `full_tensors()` (a collective) gathers whole fp32
-weights and optimizer states per parameter, for conversion and checks.
+The state's tensors are per fragment (`fragment_states()`, `load_fragment_states()`: each rank
+saves and loads its own, checkpoint/optimizer_shards.py, at any layout); `state_dict()` holds
+the counters only. `full_tensors()` (a collective) gathers whole fp32 weights and optimizer
+states per parameter, for checks.
 """
 
 from __future__ import annotations
@@ -184,7 +184,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             h.wait()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.buffer.zero()
+        """Clear the gradients; nothing to do right after a step (it cleared them), which is
+        when DeepSpeed's engine calls this."""
+        if not self.buffer.clean:
+            self.buffer.zero()
 
     # -- state -----------------------------------------------------------------------------------
     def _layout(self) -> dict:
@@ -193,25 +196,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
                             for b in self.buffer.buckets]}
 
     def state_dict(self) -> dict:
-        return {"layout": self._layout(), "inner": self.inner.state_dict(),
-                "masters": [f.master.detach().clone() for f in self.all_fragments()],
-                "steps": self.steps, "skipped_steps": self.skipped_steps}
+        """The counters and the layout. The tensors of the state (masters, the inner
+        optimizer's moments) are this rank's fragments, saved by each rank itself
+        (`fragment_states`, checkpoint/optimizer_shards.py): what DeepSpeed's engine saves of
+        a client optimizer (from one DP rank only) is this."""
+        return {"layout": self._layout(), "steps": self.steps,
+                "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """This rank's state saved by `state_dict` at the same layout; every rank calls it (the
-        weights are gathered afresh)."""
-        if state_dict.get("layout") != self._layout():
-            raise ValueError("DistributedOptimizer.load_state_dict: saved at another layout "
-                             "(DP size, rank or buckets); gather it with full_tensors() and "
-                             "convert instead")
-        masters = state_dict["masters"]
-        frags = self.all_fragments()
-        for f, saved in zip(frags, masters, strict=True):
-            f.master.copy_(saved)
-        self.inner.load_state_dict(state_dict["inner"])
-        self.state = self.inner.state
+        """The counters of `state_dict()`; the tensors come with `load_fragment_states`."""
         self.steps, self.skipped_steps = state_dict["steps"], state_dict["skipped_steps"]
-        self._publish()
 
     # -- fragments, for a checkpoint readable at another layout (checkpoint/optimizer_shards.py)
     def fragment_states(self) -> tuple[list[dict[str, torch.Tensor]], int]:
@@ -250,6 +244,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                       **{k: v for k, v in tensors.items() if k != "master"}}
                 for f, tensors in zip(frags, states, strict=True)}
         self.inner.load_state_dict(saved)
+        # torch's load_state_dict gives the inner optimizer new group dicts: share them again,
+        # or a scheduler's lr (set on ours) would never reach it
+        self.param_groups = self.inner.param_groups
         self.state = self.inner.state
         self.steps, self.skipped_steps = steps, skipped_steps
         self._publish()

@@ -8,7 +8,8 @@ Loss normalisation is layout-independent: the gradient is that of
     sum of per-token losses over the global batch / number of real masked tokens in it,
 so each micro-batch's backward gets `loss_sum * gas * dp / global_tokens` (DeepSpeed divides
 by the gradient-accumulation steps and averages over DP), or `loss_sum * gas / global_tokens`
-where training/main_grads.py sums over DP instead (ZeRO-1 in bf16 or fp32).
+where our gradient buffers sum over DP instead (ZeRO-1 in bf16 or fp32:
+training/data_parallel.py).
 
 Both branches run a global batch the same way: `_prepare` makes a `_StepContext` (that batch's
 loss factor and running statistics), and every micro-batch's `MLMLoss` goes through its
@@ -38,10 +39,10 @@ from megatron_rembert.parallel.fp8 import enable_fp8, follow_optimizer
 from megatron_rembert.parallel.layers import init_weights, is_tp_sharded
 from megatron_rembert.parallel.random import checkpoint_safe
 from megatron_rembert.run_config.schema import Config
-from megatron_rembert.training import deepspeed_private, main_grads
+from megatron_rembert.training import data_parallel, deepspeed_private
+from megatron_rembert.training.full_tensors import local_parameters
 from megatron_rembert.training.hang import POSITION
 from megatron_rembert.training.lamb import Lamb
-from megatron_rembert.training.main_grads import MainGradients
 from megatron_rembert.training.optim import build_optimizer, build_scheduler, deepspeed_config
 from megatron_rembert.training.plan import RunPlan
 from megatron_rembert.training.startup import STARTUP
@@ -130,27 +131,40 @@ class Trainer:
         self.fp8_gemms = (enable_fp8(m for m in model.modules() if isinstance(m, TransformerLayer))
                           if config.train.fp8 else [])
         model.to(device)
+        # ZeRO-1 in bf16 or fp32 (the production settings): our gradient buffers and
+        # distributed optimizer under DeepSpeed's public API (training/data_parallel.py)
+        self.owned = data_parallel.applies(config)
+        self.grad_buffer = None
+        if self.owned:
+            if config.train.precision == "bf16":
+                model.to(torch.bfloat16)
+            self.grad_buffer, optimizer = data_parallel.build(local_parameters(model), config)
         STARTUP.mark("model")
-        optimizer = build_optimizer(model, config)
+        if not self.owned:
+            optimizer = build_optimizer(model, config)
         if self.fp8_gemms:
             follow_optimizer(self.fp8_gemms, optimizer)
         scheduler = build_scheduler(optimizer, plan.lr)
         self.ds_config = deepspeed_config(config, plan.layout)
+        if self.owned:
+            self.ds_config = data_parallel.engine_settings(self.ds_config)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config,
             mpu=None if self.pipeline else state.DeepSpeedMPU())
+        if self.owned and self.optimizer is not optimizer:
+            raise RuntimeError(f"DeepSpeed wrapped the client optimizer into "
+                               f"{type(self.optimizer).__name__}: training/data_parallel.py's "
+                               "settings no longer keep it as it is")
         if isinstance(optimizer, Lamb) and self.optimizer is not optimizer:
             optimizer.use_flat_partitions(self.optimizer)
-        # ZeRO-1 in bf16 (the production setting) or fp32: fp32 main gradients accumulated
-        # and reduced by us (training/main_grads.py).
-        self.main_grads = (MainGradients(self.engine, self.pipeline)
-                           if main_grads.applies(config) else None)
-        if self.main_grads is None and config.parallel.zero_stage == 0 and plan.layout.dp == 1:
+        if self.owned and self.pipeline:
+            self.engine.pipeline_enable_backward_allreduce = False  # the engine's public switch
+        if not self.owned and config.parallel.zero_stage == 0 and plan.layout.dp == 1:
             # fp32 without ZeRO on one DP rank: DeepSpeed's all-reduce would flatten, "reduce"
             # and copy back every gradient for nothing (seconds per step on CPU)
             deepspeed_private.disable_engine_gradient_reduction(self.engine, self.pipeline)
-        # DeepSpeed averages gradients over DP; with main gradients the DP reduction is a sum.
-        self.dp_average = self.main_grads is None
+        # DeepSpeed averages gradients over DP; our buffers sum over DP.
+        self.dp_average = not self.owned
         if self.pipeline:
             _track_instructions(self.engine)
 
@@ -206,26 +220,37 @@ class Trainer:
             own_norm = self.optimizer_step()
         POSITION.set(detail="step statistics")
         loss, acc, tokens = self._finish_stats(step)
-        grad_norm = self.engine.get_global_grad_norm()
-        if grad_norm is None and not self.pipeline:
-            grad_norm = own_norm
+        if self.owned:
+            grad_norm, skipped = self.optimizer.grad_norm, self.optimizer.overflow
+        else:
+            grad_norm = self.engine.get_global_grad_norm()
+            if grad_norm is None and not self.pipeline:
+                grad_norm = own_norm
+            skipped = self.engine.skipped_steps > skipped_before
         if isinstance(grad_norm, torch.Tensor):
             grad_norm = grad_norm.item()
         return StepStats(
             loss=loss, mlm_acc=acc, masked_tokens=tokens,
             grad_norm=None if grad_norm is None or not math.isfinite(grad_norm) else grad_norm,
             grad_norm_finite=grad_norm is None or math.isfinite(grad_norm),
-            loss_scale=self.loss_scale(), lr=lr,
-            skipped=self.engine.skipped_steps > skipped_before)
+            loss_scale=self.loss_scale(), lr=lr, skipped=skipped)
 
     def forward_backward(self, micro_batches: list[dict], step: _StepContext) -> None:
         """pp = 1: forward and backward of every micro-batch of a step, with DeepSpeed's
         bookkeeping between them; nothing here waits for the device
         (tests/training/test_host_syncs.py)."""
+        last = len(micro_batches) - 1
         for i, mb in enumerate(micro_batches):
             POSITION.set(detail=f"micro-batch {i + 1}/{len(micro_batches)}")
-            self.engine.backward(step.scaled_loss(self.engine(**mb)))
-            if i < len(micro_batches) - 1:
+            if self.owned:
+                if i == last:  # each bucket's reduce-scatter starts once its gradients are in
+                    self.grad_buffer.last_micro_batch()
+                loss = step.scaled_loss(self.engine(**mb))
+                with self.engine.no_sync():  # our buffers reduce, not DeepSpeed
+                    self.engine.backward(loss)
+            else:
+                self.engine.backward(step.scaled_loss(self.engine(**mb)))
+            if i < last:
                 self.engine.step()  # not an accumulation boundary: counters only
 
     def optimizer_step(self) -> torch.Tensor | None:

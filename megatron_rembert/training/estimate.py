@@ -14,7 +14,7 @@ from megatron_rembert.model.cost import layer_parameters, parameter_table, pipel
 from megatron_rembert.model.partition import balance_stages, one_f_one_b_efficiency
 from megatron_rembert.parallel.layout import Layout
 from megatron_rembert.run_config.schema import Config
-from megatron_rembert.training import main_grads
+from megatron_rembert.training import data_parallel
 
 
 @dataclass
@@ -46,15 +46,15 @@ def _bytes_per_parameter(config: Config, layout: Layout) -> dict[str, float]:
     with a single-process engine (bench/full_scale.py checks the sum on the real model, rank by
     rank).
 
-    - parameters: the training precision (DeepSpeed flattens them into one buffer per group).
-    - gradients: on the main-gradient path (ZeRO-1 in bf16 or fp32, training/main_grads.py)
+    - parameters: the training precision (one flat buffer: ours, or DeepSpeed's per group).
+    - gradients: on the main-gradient path (ZeRO-1 in bf16 or fp32, training/data_parallel.py)
       one fp32 buffer, autograd's gradients freed parameter by parameter as they are added.
       Otherwise the training precision, plus an fp32 accumulation buffer for fp16/bf16
       (DeepSpeed's ZeRO gradient-accumulation attribute); whole up to ZeRO-1, sharded over DP
       by ZeRO-2.
     - optimizer_states: Adam's two fp32 moments, and under ZeRO an fp32 master copy of the
       weights; sharded over DP from ZeRO-1. In fp32 on the main-gradient path the master
-      partition is the weights themselves (no copy); DeepSpeed's own ZeRO path clones them.
+      shard is the weights' own (no copy); DeepSpeed's own ZeRO path clones them.
     - optimizer_step: on DeepSpeed's own ZeRO path, with gradient accumulation, a micro-batch's
       fresh gradients while the accumulated ones are held (from the second micro-batch on); the
       flat fp32 gradient partition a ZeRO step builds from the gradients is as large. The
@@ -64,7 +64,7 @@ def _bytes_per_parameter(config: Config, layout: Layout) -> dict[str, float]:
     weight, zero, dp = _weight_bytes(config), config.parallel.zero_stage, layout.dp
     half = weight == 2
     optimizer_dp = dp if zero >= 1 else 1
-    if main_grads.applies(config):
+    if data_parallel.applies(config):
         return {"parameters": weight, "gradients": 4,
                 "optimizer_states": ((4 if half else 0) + 8) / optimizer_dp,
                 "optimizer_step": 0}
@@ -88,8 +88,8 @@ def _transient_copy(config: Config, layout: Layout) -> list[float]:
       at a time, each cloned to host memory first, and loads it one layer file at a time (on a
       GPU that copy is in host memory: counted anyway, a bound)."""
     weight = _weight_bytes(config)
-    if main_grads.applies(config):
-        skip, per_element = main_grads.summed_by_kernels(config.model), weight
+    if data_parallel.applies(config):
+        skip, per_element = data_parallel.summed_by_kernels(config.model), weight
     else:
         skip, per_element = (), 4 if config.parallel.zero_stage >= 1 else 0
     fresh = [0.0] * (config.model.num_hidden_layers + 2)

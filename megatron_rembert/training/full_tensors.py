@@ -48,6 +48,46 @@ def load_portable(engine, step: StepFolder) -> None:
         load_full_tensors(engine, reader, step.meta)
 
 
+def restore_schedule(engine, meta: dict, info: dict) -> None:
+    """The LR schedule and the engine's counters of a checkpoint (`info`: its optimizer
+    meta: lr_scheduler, skipped_steps)."""
+    opt = engine.optimizer
+    base = getattr(opt, "optimizer", opt)
+    if info.get("lr_scheduler") and engine.lr_scheduler is not None:
+        engine.lr_scheduler.load_state_dict(info["lr_scheduler"])
+        for group, lr in zip(base.param_groups, info["lr_scheduler"]["_last_lr"], strict=True):
+            group["lr"] = lr
+    engine.global_steps = int(meta["step"])
+    engine.global_samples = int(meta["consumed_samples"])
+    engine.skipped_steps = int(info.get("skipped_steps", 0))
+
+
+def load_into_fragments(engine, source: ShardSource, meta: dict) -> None:
+    """Full tensors (a portable checkpoint, or a checkpoint of DeepSpeed's own optimizers read
+    by `CheckpointReader`) into our distributed optimizer (training/data_parallel.py): each
+    rank cuts its fragments from its TP shard of every tensor; the weights follow from the
+    masters. Weights only: fresh optimizer state, step 0."""
+    opt = engine.optimizer
+    weights_only = bool(meta.get("weights_only"))
+    info = meta.get("optimizer") or {}
+    num_layers = int(meta["config"]["model"]["num_hidden_layers"])
+    named = {id(p): (n, ParamSpec.of(n, p, num_layers)) for n, p in local_parameters(engine.module)}
+    tp, tp_rank = state.tp_size(), state.tp_rank()
+    keys = ("master",) if weights_only else ("master", *OPTIM_KEYS)
+    states = []
+    for f in opt.all_fragments():
+        name, spec = named[id(f.param)]
+        states.append({
+            key: source.local_shard(name if key == "master" else f"{key}/{name}", spec, tp,
+                                    tp_rank).reshape(-1)[f.param_start:f.param_start + f.numel]
+            for key in keys})
+    steps = [] if weights_only else (info.get("steps") or [0])
+    inner_step = int(steps[0]) if steps else 0
+    opt.load_fragment_states(states, inner_step, inner_step, int(info.get("skipped_steps", 0)))
+    if not weights_only:
+        restore_schedule(engine, meta, info)
+
+
 def load_full_tensors(engine, source: ShardSource, meta: dict) -> None:
     """Load full tensors (a PortableReader or a CheckpointReader) into a DeepSpeed engine built
     for any layout. `meta`: the portable meta.json (step, consumed_samples, weights_only,
@@ -90,13 +130,7 @@ def load_full_tensors(engine, source: ShardSource, meta: dict) -> None:
                 st[key].copy_(value)
     if weights_only:
         return
-    if info.get("lr_scheduler") and engine.lr_scheduler is not None:
-        engine.lr_scheduler.load_state_dict(info["lr_scheduler"])
-        for group, lr in zip(base.param_groups, info["lr_scheduler"]["_last_lr"], strict=True):
-            group["lr"] = lr
-    engine.global_steps = int(meta["step"])
-    engine.global_samples = int(meta["consumed_samples"])
-    engine.skipped_steps = int(info.get("skipped_steps", 0))
+    restore_schedule(engine, meta, info)
     scaler = getattr(opt, "loss_scaler", None)
     if scaler is not None and info.get("loss_scale") is not None and hasattr(scaler, "cur_scale"):
         scaler.cur_scale = float(info["loss_scale"])

@@ -48,7 +48,7 @@ class Lamb(torch.optim.Optimizer):
         self._given: dict[int, _Fragments] = {}
 
     def use_flat_partitions(self, wrapper) -> None:
-        """DeepSpeed wrapped this optimizer in a partitioning one (ZeRO 1/2, BF16_Optimizer):
+        """DeepSpeed wrapped this optimizer in a partitioning one (its ZeRO 1/2 optimizer):
         from now on group["params"] are flat partitions, mapped back through the wrapper."""
         if not any(hasattr(wrapper, lp) and hasattr(wrapper, hp)
                    for lp, hp in deepspeed_private.FLAT_PARTITIONS):

@@ -34,14 +34,6 @@ OWNED_DS_KEYS = {
 }
 
 
-# Keys of the DeepSpeed config that we fix, and why: a ds_config JSON may not set them either.
-FIXED_DS_KEYS = {
-    # training/main_grads.py accumulates bf16 gradients with its own hooks; DeepSpeed's would
-    # add every gradient a second time.
-    "bf16.immediate_grad_update": "gradients are accumulated by training/main_grads.py",
-}
-
-
 def load_ds_config(path: str | Path) -> dict:
     """The user's DeepSpeed JSON, refused (ConfigError naming the file and key) if it is
     missing, not a JSON object, or sets a key of OWNED_DS_KEYS."""
@@ -55,13 +47,10 @@ def load_ds_config(path: str | Path) -> dict:
     if not isinstance(ds, dict):
         raise ConfigError(f"parallel.ds_config={path}: expected a JSON object, got "
                           f"{type(ds).__name__}")
-    for key in (*OWNED_DS_KEYS, *FIXED_DS_KEYS):
+    for key in OWNED_DS_KEYS:
         parent, _, leaf = key.rpartition(".")
         section = ds.get(parent) if parent else ds
         if isinstance(section, dict) and leaf in section:
-            if key in FIXED_DS_KEYS:
-                raise ConfigError(f"parallel.ds_config={path} sets {key}, which is fixed "
-                                  f"({FIXED_DS_KEYS[key]}): remove it from the JSON")
             raise ConfigError(f"parallel.ds_config={path} sets {key}, which our config owns: "
                               f"remove it from the JSON and set {OWNED_DS_KEYS[key]} instead")
     return ds
@@ -77,19 +66,18 @@ def deepspeed_config(config: Config, layout: Layout) -> dict:
               gradient_accumulation_steps=layout.gas,
               gradient_clipping=config.optim.clip_grad,
               steps_per_print=10**9)  # our own logging replaces DeepSpeed's
-    # Gradients accumulate over micro-batches in fp32 in every precision (for bf16 under ZeRO-1
-    # this selects DeepSpeed's BF16_Optimizer; DeepSpeed's default accumulates in bf16), and
-    # are summed over DP ranks in fp32 unless the JSON asks for half the traffic: a bf16 sum
+    # On DeepSpeed's own path (fp16, ZeRO-2; training/data_parallel.py replaces these settings
+    # for the others) gradients accumulate over micro-batches in fp32 (DeepSpeed's default
+    # accumulates in half precision), and are summed over DP ranks in fp32: a bf16 sum
     # over ranks moved a parameter 2e-3 (relative) differently from one process already at
-    # dp = 2 (tests/training/test_lamb.py), Megatron-LM reduces in fp32 under bf16 too.
+    # dp = 2, and Megatron-LM reduces in fp32 under bf16 too.
     accum = ds.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
     if accum not in ("fp32", "float32"):
         raise ConfigError(f"{config.parallel.ds_config}: data_types.grad_accum_dtype={accum!r}; "
                           "gradients are accumulated in fp32: remove the key")
     if train.precision != "fp32":
         ds.setdefault("communication_data_type", "fp32")
-    ds.setdefault("bf16", {}).update(enabled=train.precision == "bf16",
-                                     immediate_grad_update=False)
+    ds.setdefault("bf16", {})["enabled"] = train.precision == "bf16"
     ds.setdefault("fp16", {})["enabled"] = train.precision == "fp16"
     ds.setdefault("zero_optimization", {})["stage"] = config.parallel.zero_stage
     if config.optim.name == "lamb":
@@ -97,24 +85,36 @@ def deepspeed_config(config: Config, layout: Layout) -> dict:
     return ds
 
 
-def build_optimizer(model: nn.Module, config: Config) -> torch.optim.Optimizer:
-    optim = config.optim
+def param_groups(named_params, config: Config) -> list[dict]:
+    """torch's parameter groups of the parameters that train: with weight decay, and without
+    (biases, LayerNorm weights: checkpoint/specs.py `no_weight_decay`)."""
     decay, no_decay = [], []
-    for name, param in model.named_parameters():
+    for name, param in named_params:
         if param.requires_grad:
             (no_decay if no_weight_decay(name, param.ndim) else decay).append(param)
-    groups = [{"params": decay, "weight_decay": optim.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    return [{"params": decay, "weight_decay": config.optim.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+def make_optimizer(config: Config):
+    """The function that builds the run's optimizer over given parameter groups."""
+    optim = config.optim
     betas = (optim.beta1, optim.beta2)
     if optim.name == "lamb":
         # Ours, not DeepSpeed's FusedLamb: its trust ratios are those of whole parameters
         # under tensor parallelism and ZeRO partitioning, and it runs on CPU as on GPU.
-        return Lamb(groups, lr=optim.lr, betas=betas, eps=optim.eps,
-                    tp_group=state.tp_group() if state.tp_size() > 1 else None)
+        tp_group = state.tp_group() if state.tp_size() > 1 else None
+        return lambda groups: Lamb(groups, lr=optim.lr, betas=betas, eps=optim.eps,
+                                   tp_group=tp_group)
     # torch's fused AdamW: on GPU the same multi-tensor kernel as DeepSpeed's or apex's
     # FusedAdam without a CUDA extension to build on the cluster; on CPU (torch >= 2.4) a
     # vectorised kernel, ~20x faster than the default per-tensor loop for a 250k vocabulary.
-    return torch.optim.AdamW(groups, lr=optim.lr, betas=betas, eps=optim.eps, fused=True)
+    return lambda groups: torch.optim.AdamW(groups, lr=optim.lr, betas=betas, eps=optim.eps,
+                                            fused=True)
+
+
+def build_optimizer(model: nn.Module, config: Config) -> torch.optim.Optimizer:
+    return make_optimizer(config)(param_groups(model.named_parameters(), config))
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ def test_engine_bench_writes_what_the_table_reads(tmp_path):
     assert engine["sync_debug"] is None  # the sync check runs on CUDA only
     assert [r["gas"] for r in engine["rows"]] == [1, 2]
     for row in engine["rows"]:
-        assert gpu_table.ENGINE_ROW <= row.keys() and row["wrapper"] == "BF16_Optimizer"
+        assert gpu_table.ENGINE_ROW <= row.keys() and row["wrapper"] == "DistributedOptimizer"
         assert row["trainer_metrics"].keys() == gpu_table.STEP
     rows = {r[0]: r for r in gpu_table.rows(tmp_path)}
     assert "trainer / bare model + fused AdamW, gas 2" in rows

@@ -9,7 +9,7 @@ import pytest
 
 from megatron_rembert.convert.__main__ import main
 from megatron_rembert.fs import sha256_file
-from tests.checkpoint.workers import integrity_worker
+from tests.checkpoint.workers import OPTIM_FILE, integrity_worker
 from tests.distributed import run_distributed
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
@@ -28,7 +28,7 @@ def test_manifest_lists_every_file_as_saved(damaged):
     on_disk = sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
                      if p.is_file() and p.name not in ("manifest.json", "complete"))
     assert sorted(files) == on_disk
-    assert "zero_pp_rank_0_mp_rank_00_optim_states.pt" in files and "rng/rank_00000.pt" in files
+    assert OPTIM_FILE in files and "rng/rank_00000.pt" in files
     for name, record in files.items():
         assert record == {"size": (folder / name).stat().st_size,
                           "sha256": sha256_file(folder / name)}, name
@@ -39,7 +39,7 @@ def test_code_carrying_pickles_never_run(damaged):
     assert out["old_step"] == 1  # a checkpoint from before manifests still loads
     # Without a manifest the guarded load refuses it; with one, the hash does first.
     assert "mp_rank_00_model_states.pt: refused to load" in out["old_evil_model"]
-    assert "zero_pp_rank_0_mp_rank_00_optim_states.pt: " in out["new_evil_optim"]
+    assert f"{OPTIM_FILE}: " in out["new_evil_optim"]
     assert "manifest.json" in out["new_evil_optim"]
     assert not list(root.glob("*.ran"))  # nothing ran
     assert "mp_rank_00_model_states.pt: unreadable" in out["old_truncated"]
@@ -62,13 +62,13 @@ def test_flipped_optimizer_bytes_refused_by_reshard(damaged, tmp_path, capsys):
     root, _ = damaged
     step = tmp_path / "run" / "step_00000001"
     shutil.copytree(root / "run" / "step_00000001", step)
-    optim = step / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    optim = step / OPTIM_FILE
     data = bytearray(optim.read_bytes())
     data[len(data) // 2] ^= 0x01
     optim.write_bytes(bytes(data))
     assert main(["reshard", "--checkpoint", str(step), "--out", str(tmp_path / "r"),
                  "--tp", "1", "--pp", "1"]) == 2
-    assert "zero_pp_rank_0_mp_rank_00_optim_states.pt: sha256 differs" in capsys.readouterr().err
+    assert f"{OPTIM_FILE}: sha256 differs" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
     # --out on the run's own save folder: refused before anything is replaced.
     assert main(["reshard", "--checkpoint", str(root / "run" / "step_00000001"), "--out",

@@ -43,6 +43,10 @@ def _error(fn) -> str:
     return "no error"
 
 
+# The optimizer's file of a one-rank run on the production path (checkpoint/optimizer_shards.py)
+OPTIM_FILE = "optim_tp00_pp000_dp000.safetensors"
+
+
 def integrity_worker(rank, world_size, root: str) -> dict:
     """Train one step at tp = pp = dp = 1 (ZeRO-1), save it, then load damaged copies."""
     import deepspeed
@@ -76,8 +80,7 @@ def integrity_worker(rank, world_size, root: str) -> dict:
     out["old_step"] = ckpt.load_checkpoint(trainer.engine, StepFolder.open(old),
                                            how="same").step
     for name, old_format, file in (("old_evil_model", True, "mp_rank_00_model_states.pt"),
-                                   ("new_evil_optim", False,
-                                    "zero_pp_rank_0_mp_rank_00_optim_states.pt")):
+                                   ("new_evil_optim", False, OPTIM_FILE)):
         folder = _copy(good, root, name, old_format)
         torch.save({"payload": Evil(str(root / f"{name}.ran"))}, folder / file)
         out[name] = _error(load(folder))

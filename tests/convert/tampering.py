@@ -96,12 +96,22 @@ def copy_deepspeed_step(step: Path, out: Path, file: str | None = None,
                         model: dict | None = None) -> Path:
     """A copy of one of the trainer's DeepSpeed step folders (into `out`, a new save folder)
     with the state dict of `file` edited (`module` of an mp_rank file, the whole dict of a
-    pipeline layer file) and/or meta.json's model fields replaced; the manifest rewritten."""
+    pipeline layer file, the tensors of an optimizer shard file) and/or meta.json's model fields
+    replaced; the manifest rewritten."""
     from megatron_rembert.checkpoint.files import deepspeed_safe_globals, torch_load_weights
 
     folder = out / step.name
     shutil.copytree(step, folder)
-    if edit is not None:
+    if edit is not None and file.endswith(".safetensors"):  # an optimizer shard file
+        from safetensors import safe_open
+        from safetensors.torch import save_file
+
+        with safe_open(folder / file, "pt") as handle:
+            metadata = handle.metadata()
+            data = {k: handle.get_tensor(k) for k in handle.keys()}
+        edit(data)
+        save_file(data, folder / file, metadata=metadata)
+    elif edit is not None:
         data = torch_load_weights(folder / file, mmap=False, allowed=deepspeed_safe_globals())
         edit(data["module"] if file.startswith("mp_rank_") else data)
         torch.save(data, folder / file)

@@ -184,14 +184,14 @@ def test_tampered_deepspeed_shard_is_refused(run, tmp_path, capsys):
     _fails(["average", "--checkpoints", str(step), str(bad), "--out", str(tmp_path / "avg")],
            capsys, f"mp_rank_01_model_states.pt: tensor {name} has dtype float64")
 
-    def master_float64(data):  # the ZeRO file's flat fp32 partition, which average reads
-        flats = data["optimizer_state_dict"]["single_partition_of_fp32_groups"]
-        flats[0] = flats[0].double()
+    def master_float64(data):  # a fp32 master fragment of the optimizer shard, which average
+        key = next(k for k in data if k.startswith(f"master/{name}@"))  # reads
+        data[key] = data[key].double()
 
-    zero = "zero_pp_rank_0_mp_rank_01_optim_states.pt"
-    bad = copy_deepspeed_step(step, tmp_path / "bad_zero", zero, master_float64)
+    shard = "optim_tp01_pp000_dp000.safetensors"
+    bad = copy_deepspeed_step(step, tmp_path / "bad_zero", shard, master_float64)
     _fails(["average", "--checkpoints", str(step), str(bad), "--out", str(tmp_path / "avg")],
-           capsys, f"{zero}: tensor ", "has dtype float64")
+           capsys, f"{shard}: tensor {name} ", "has dtype float64")
     assert not (tmp_path / "avg").exists()
 
 

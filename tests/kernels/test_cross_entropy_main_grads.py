@@ -1,5 +1,5 @@
 """The fused loss adding grad_weight and grad_bias into fp32 main gradients (the trainer's
-buffers, training/main_grads.py) instead of returning them: the same sums, without the
+buffers, parallel/grad_buffer.py) instead of returning them: the same sums, without the
 rounding to the weight's dtype. In fp32 bitwise the returned gradients; in bf16 the main
 gradient rounded once equals the returned bf16 gradient bitwise (the returned one is that same
 fp32 sum, rounded); over micro-batches the main gradient keeps adding; autograd gets no

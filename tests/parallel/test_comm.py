@@ -103,6 +103,7 @@ def test_stop_flag_agrees_on_the_communication_device(meta_comm):
 
 class _Engine:
     module = torch.nn.Linear(2, 2)  # checked finite before the save
+    optimizer = None  # DeepSpeed's own path (the engine saves its state)
     _config = None
 
     def _copy_recovery_script(self, save_path):  # DeepSpeed's, which the save routes

@@ -74,15 +74,6 @@ def allow_cpu_fp16() -> None:
     get_accelerator().is_fp16_supported = lambda: True
 
 
-def _master(param: torch.Tensor) -> torch.Tensor:
-    """The fp32 master weight of a parameter (all-gathered over DP under ZeRO 1/2 and
-    DeepSpeed's bf16 optimizer), or the parameter itself when it is its own master."""
-    from deepspeed.utils import safe_get_full_fp32_param
-
-    master = safe_get_full_fp32_param(param)
-    return (param if master is None else master).detach().float().clone()
-
-
 def train_worker(rank, world_size, overrides, fp16_on_cpu=False):
     """Train with the Trainer on synthetic data. Per step: loss, grad norm, masked tokens,
     loss scale, skipped, the learning rate applied, and whether this rank's weights changed;
@@ -95,6 +86,7 @@ def train_worker(rank, world_size, overrides, fp16_on_cpu=False):
     from megatron_rembert.training.engine import Trainer
     from megatron_rembert.training.full_tensors import local_parameters
     from megatron_rembert.training.plan import RunPlan
+    from tests.training.production import _masters_and_momentum
 
     if fp16_on_cpu:
         allow_cpu_fp16()
@@ -104,7 +96,7 @@ def train_worker(rank, world_size, overrides, fp16_on_cpu=False):
     layout = plan.layout
     s = state.initialize_model_parallel(layout)
     trainer = Trainer(config, plan, torch.device("cpu"))
-    initial = {n: _master(p) for n, p in local_parameters(trainer.engine.module)}
+    initial = _masters_and_momentum(trainer, with_momentum=False)[0]
     out = []
     for step in range(config.train.steps):
         batches = micro_batches(step, GLOBAL_BATCH, MICRO, s.dp_rank, layout.dp,
@@ -120,9 +112,9 @@ def train_worker(rank, world_size, overrides, fp16_on_cpu=False):
                                                  s.dp_rank, layout.dp,
                                                  config.model.vocab_size))
     # How far training moved each whole fp32 master weight: ||w_T - w_0||, TP shards summed.
-    moved = {}
+    moved, final = {}, _masters_and_momentum(trainer, with_momentum=False)[0]
     for name, param in local_parameters(trainer.engine.module):
-        square = (_master(param) - initial[name]).square().sum()
+        square = (final[name] - initial[name]).square().sum()
         if getattr(param, "tensor_model_parallel", False):
             torch.distributed.all_reduce(square, group=s.tp_group)
         moved[name] = square.sqrt().item()

@@ -54,10 +54,22 @@ def _masters_and_momentum(trainer, with_momentum: bool = True) -> tuple[dict, di
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     from megatron_rembert.training import deepspeed_private
+    from megatron_rembert.training.distributed_optimizer import DistributedOptimizer
     from megatron_rembert.training.full_tensors import local_parameters
 
     masters, momentum = {}, {}
     opt = trainer.optimizer
+    if isinstance(opt, DistributedOptimizer):  # our optimizer: its own gather (a collective)
+        full = opt.full_tensors()
+        order = [p for group in opt.model_groups for p in group]
+        index = {id(p): i for i, p in enumerate(order)}
+        for name, param in local_parameters(trainer.engine.module):
+            i = index[id(param)]
+            masters[name] = full["weights"][i].float()
+            if with_momentum:
+                exp_avg = full["state"].get("exp_avg")
+                momentum[name] = (exp_avg[i] if exp_avg else torch.zeros_like(masters[name]))
+        return masters, momentum
     base = getattr(opt, "optimizer", opt)
     if with_momentum and hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
         # ZeRO-2 re-creates its parameter mappings after the link to Adam's state was made.

@@ -88,19 +88,10 @@ def test_a_missing_name_is_named_with_the_version(monkeypatch):
     assert "PipelineModule has no _set_bounds" in str(err.value)
 
 
-def test_a_built_optimizer_without_a_buffer_is_named():
-    class Wrapper:
-        pass
-
-    with pytest.raises(dsp.DeepSpeedVersionError, match="Wrapper has no attribute bf16_groups"):
-        dsp.check_bf16_optimizer(Wrapper())
-
-
 def test_private_names_are_used_in_one_module_and_each_is_checked_at_start_up():
     used = _deepspeed_names_used()
     assert set(used) == {"training/deepspeed_private.py"}, used
-    checked = ({n for names in dsp.PRIVATE_NAMES.values() for n in names}
-               | set(dsp.BF16_BUFFERS) | set(dsp.ZERO1_BUFFERS))
+    checked = {n for names in dsp.PRIVATE_NAMES.values() for n in names}
     assert used["training/deepspeed_private.py"] <= checked, (
         used["training/deepspeed_private.py"] - checked)
 

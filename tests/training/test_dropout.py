@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.training.production import as_sets, data_overrides
+from tests.training.production import _masters_and_momentum, as_sets, data_overrides
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
@@ -29,7 +29,6 @@ def _digest(state: torch.Tensor) -> str:
 def _train_with_dropout(rank, world_size, sets):
     """Per rank: the RNG streams each Transformer layer starts its first forward with, and the
     replicated weights after training."""
-    from deepspeed.utils import safe_get_full_fp32_param
 
     from megatron_rembert.model import transformer
     from megatron_rembert.parallel import random as tp_random
@@ -54,8 +53,8 @@ def _train_with_dropout(rank, world_size, sets):
     transformer.TransformerLayer.forward = forward
     engine.Trainer.__init__ = init
     loop.train(load_config("configs/tiny.yaml", sets))
-    replicated = {name: safe_get_full_fp32_param(p).clone()
-                  for name, p in local_parameters(trainers[0].engine.module)
+    masters = _masters_and_momentum(trainers[0], with_momentum=False)[0]
+    replicated = {name: masters[name] for name, p in local_parameters(trainers[0].engine.module)
                   if not is_tp_sharded(p)}
     return streams, replicated
 

@@ -1,7 +1,8 @@
 """After a full disk is freed, the same command continues from the last good checkpoint (issue
 "Nothing ends done that did not train", class D): a real run of train.py on 2 ranks saves at
 step 2, the disk fills up during the step-4 save (tests/training/failing_train.py, in two of
-the writes a save makes: a ZeRO file on rank 1, DeepSpeed's recovery-script copy on rank 0),
+the writes a save makes: a torch.save on rank 1, our optimizer shard file on rank 1 half
+written, DeepSpeed's recovery-script copy on rank 0 on its own ZeRO-2 path),
 the run stops with its error line; the same command run again without the fault resumes from
 step 2 and finishes with the losses of a run that never failed."""
 
@@ -45,19 +46,29 @@ def _losses(run: Path) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tiny_dataset, tmp_path_factory) -> dict[int, float]:
-    root = tmp_path_factory.mktemp("uninterrupted")
-    codes = _run(Row("plain", 2, []), _sets(tiny_dataset, root / "run"), root / "out")
-    assert codes == [0, 0], (root / "out" / "rank0.err").read_text()[-3000:]
-    return _losses(root / "run")
+def uninterrupted(tiny_dataset, tmp_path_factory):
+    """The losses of a run that never failed, by ZeRO stage (each run once)."""
+    runs: dict[int, dict[int, float]] = {}
+
+    def losses(zero: int) -> dict[int, float]:
+        if zero not in runs:
+            root = tmp_path_factory.mktemp(f"uninterrupted{zero}")
+            sets = {**_sets(tiny_dataset, root / "run"), "parallel.zero_stage": zero}
+            codes = _run(Row("plain", 2, []), sets, root / "out")
+            assert codes == [0, 0], (root / "out" / "rank0.err").read_text()[-3000:]
+            runs[zero] = _losses(root / "run")
+        return runs[zero]
+
+    return losses
 
 
-@pytest.mark.parametrize("failure, rank", [("checkpoint-disk-full", 1),
-                                           ("recovery-script-disk-full", 0)])
+@pytest.mark.parametrize("failure, rank, zero", [("checkpoint-disk-full", 1, 1),
+                                                 ("optimizer-shard-disk-full", 1, 1),
+                                                 ("recovery-script-disk-full", 0, 2)])
 def test_rerun_after_a_full_disk_continues_from_the_last_good_checkpoint(
-        failure, rank, uninterrupted, tiny_dataset, tmp_path, monkeypatch):
+        failure, rank, zero, uninterrupted, tiny_dataset, tmp_path, monkeypatch):
     run = tmp_path / "run"
-    sets = _sets(tiny_dataset, run)
+    sets = {**_sets(tiny_dataset, run), "parallel.zero_stage": zero}
     monkeypatch.setenv("FAILING_SAVE", "step_00000004")
     codes = _run(Row(failure, 2, [], failure=failure, failing_rank=rank), sets,
                  tmp_path / "full")
@@ -71,6 +82,5 @@ def test_rerun_after_a_full_disk_continues_from_the_last_good_checkpoint(
     assert codes == [0, 0], (tmp_path / "again" / "rank0.err").read_text()[-3000:]
     assert f"resumed from {run / 'ckpt' / 'step_00000002'} (step 2" in out, out
     assert find_latest(run / "ckpt").path.name == "step_00000004"
-    losses = _losses(run)
-    assert [losses[s] for s in range(1, STEPS + 1)] == \
-        [uninterrupted[s] for s in range(1, STEPS + 1)]
+    losses, expected = _losses(run), uninterrupted(zero)
+    assert [losses[s] for s in range(1, STEPS + 1)] == [expected[s] for s in range(1, STEPS + 1)]

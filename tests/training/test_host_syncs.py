@@ -23,8 +23,8 @@ from megatron_rembert.model.pipeline import (
     pipeline_layer_builders,
     set_unpadded,
 )
+from megatron_rembert.parallel.grad_buffer import GradBuffer
 from megatron_rembert.parallel.layers import init_weights
-from megatron_rembert.training.main_grads import attach_main_grad
 from tests.distributed import run_distributed
 from tests.host_sync import forbid_host_syncs
 from tests.model.helpers import random_batch, small_config
@@ -51,7 +51,7 @@ def _trainer_worker(rank, world_size, unpadded: bool, backend: str, recompute: b
     plan = RunPlan.build(config, world_size, rank)
     state.initialize_model_parallel(plan.layout)
     trainer = Trainer(config, plan, torch.device("cpu"))
-    assert trainer.main_grads is not None  # the production path: fp32 main gradients
+    assert trainer.owned  # the production path: our gradient buffers and optimizer
     checked = 0
     for step in range(2):
         batches = micro_batches(step, 4, 2, 0, 1, config.model.vocab_size)
@@ -86,8 +86,8 @@ def test_every_pipeline_stage_never_syncs(unpadded):
     for layer in layers:
         init_weights(layer, 1, config.initializer_range, prefix=layer.pipe_prefix)
         layer.to(torch.bfloat16)
-        for param in layer.parameters():
-            attach_main_grad(param, torch.zeros(param.shape, dtype=torch.float32))
+    # fp32 main gradients, as the trainer's (one process: nothing to reduce)
+    GradBuffer([p for layer in layers for p in layer.parameters()], dp_group=None)
     set_unpadded(layers, unpadded)
     batch = random_batch(config)
     if unpadded:

@@ -160,12 +160,15 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, tiny_dataset, unin
 
 def _pt_contents(folder: Path) -> dict[str, dict[str, bytes]]:
     """Every .pt file's zip records (torch.save's pickle and storages), less the id torch
-    draws for each save (`.data/serialization_id`)."""
-    return {str(path.relative_to(folder)): {name: archive.read(name)
-                                            for name in archive.namelist()
-                                            if not name.endswith("serialization_id")}
-            for path in sorted(folder.rglob("*.pt"))
-            for archive in [zipfile.ZipFile(path)]}
+    draws for each save (`.data/serialization_id`), and every .safetensors file's bytes (the
+    optimizer's shard files)."""
+    pt = {str(path.relative_to(folder)): {name: archive.read(name)
+                                          for name in archive.namelist()
+                                          if not name.endswith("serialization_id")}
+          for path in sorted(folder.rglob("*.pt"))
+          for archive in [zipfile.ZipFile(path)]}
+    return {**pt, **{str(path.relative_to(folder)): {"bytes": path.read_bytes()}
+                     for path in sorted(folder.rglob("*.safetensors"))}}
 
 
 BF16 = {"train.precision": "bf16", "parallel.ds_config": "ds_configs/zero1_bf16.json"}
@@ -177,7 +180,7 @@ def test_background_saves_write_what_a_save_writes(tmp_path, tiny_dataset, unint
     """train.async_save at 2 ranks, saving every 2 steps: the same losses as the run that
     saved only at the end in the foreground, and its last checkpoint's files byte for byte
     those that run wrote; every kept step complete, `latest` the last. fp32 (tiny.yaml), and
-    bf16 with the shipped zero1_bf16.json (the production setting: fp32 main gradients)."""
+    bf16 with the shipped zero1_bf16.json (the production setting)."""
     if precision == "fp32":
         expected, _, foreground = uninterrupted
     else:
@@ -195,7 +198,7 @@ def test_background_saves_write_what_a_save_writes(tmp_path, tiny_dataset, unint
     kept = sorted(ckpt.glob("step_*"))
     assert kept[-1].name == last and all((folder / "complete").exists() for folder in kept)
     contents = _pt_contents(ckpt / last)
-    assert len(contents) == 5  # model states, 2 ranks' optimizer states and RNG states
+    assert len(contents) == 5  # model states, 2 ranks' optimizer shards and RNG states
     assert contents == _pt_contents(foreground / last)
 
 

@@ -6,7 +6,7 @@ Real runs of train.py's main() (the real loop, data loader, engine and checkpoin
 the gradient of chosen steps is made infinite while their loss stays finite: the scaled loss
 goes through `_InfGradient`, an identity forward whose backward multiplies by inf. What each
 path does with such a gradient:
-- bf16 and fp32 with ZeRO-1 (the fp32 main gradients, training/main_grads.py) skip the update
+- bf16 and fp32 with ZeRO-1 (the fp32 main gradients, parallel/grad_buffer.py) skip the update
   (DeepSpeed counts a skipped step; weights, Adam state and LR schedule untouched), pp 1 and
   pp 2 alike;
 - fp32 without ZeRO has no overflow check: the engine applies what the gradient held.
