@@ -146,3 +146,59 @@ def test_production_path_steps_as_deepspeeds_zero1(tmp_path):
         assert facts["own_elements"] < 0.6 * facts["model_elements"]
         assert 12 * facts["own_elements"] <= facts["shard_bytes"] \
             < 12 * facts["own_elements"] + 20_000
+
+
+def _resume_worker(rank, world_size, folder):
+    """A checkpoint of DeepSpeed's own ZeRO-1 path (its ZeRO files: what the trainer wrote
+    before this path) resumed on ours for 2 more steps, against 4 uninterrupted steps on
+    DeepSpeed's path; and the same resume with the Adam moments zeroed (the control)."""
+    import deepspeed
+
+    from megatron_rembert.checkpoint.step_folder import StepFolder
+    from megatron_rembert.training import checkpoint as ckpt
+    from megatron_rembert.training import data_parallel
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    real = data_parallel.applies
+
+    def trainer(owned: bool):
+        data_parallel.applies = real if owned else (lambda config: False)
+        try:
+            return _trainer(world_size, rank)
+        finally:
+            data_parallel.applies = real
+
+    def steps(t, config, which):
+        for step in which:
+            t.train_step(micro_batches(step, GLOBAL, MICRO, rank, world_size,
+                                       config.model.vocab_size))
+
+    theirs, config = trainer(owned=False)
+    steps(theirs, config, range(2))
+    meta = {"config": config.to_dict(), "layout": {"tp": 1, "pp": 1, "dp": world_size}}
+    saved = ckpt.save_checkpoint(theirs.engine, folder, 2, 2 * GLOBAL, meta, keep_last=2)
+    steps(theirs, config, range(2, 4))
+    expected = {n: p.detach().clone() for n, p in theirs.engine.module.named_parameters()}
+    del theirs
+    out = {"zero_files": sorted(p.name for p in Path(saved).glob("*optim_states.pt"))}
+    for label in ("resumed", "without_moments"):
+        ours, _ = trainer(owned=True)
+        ckpt.load_checkpoint(ours.engine, StepFolder.open(saved), how="same")
+        if label == "without_moments":
+            for st in ours.optimizer.state.values():
+                st["exp_avg"].zero_()
+                st["exp_avg_sq"].zero_()
+        steps(ours, config, range(2, 4))
+        out[label] = max((p.detach() - expected[n]).abs().max().item()
+                         / expected[n].abs().max().item()
+                         for n, p in ours.engine.module.named_parameters()
+                         if not n.endswith(NO_GRADIENT))
+    return out
+
+
+@pytest.mark.multiprocess
+def test_a_checkpoint_of_deepspeeds_optimizer_resumes_on_ours(tmp_path):
+    for out in run_distributed(_resume_worker, 2, str(tmp_path)):
+        assert len(out["zero_files"]) == 2, out  # the old format: DeepSpeed's ZeRO files
+        assert out["resumed"] < 1e-5, out
+        assert out["without_moments"] > 100 * out["resumed"], out  # the moments matter
