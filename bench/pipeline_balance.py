@@ -63,9 +63,10 @@ def layer_times(config, micro: int, seq: int, predictions: int, masked: int, dty
     layer = TransformerLayerPipe(m, 0).to(device, dtype)
     layer.unpadded = True  # the flash path, as the trainer tells the stages for packed rows
     head = MLMHeadPipe(m).to(device, dtype)
+    buffer = None  # kept while the layers run: its hooks act while it lives
     if dtype == torch.bfloat16:  # gradients into fp32 main gradients, as the trainer's bf16
-        GradBuffer([p for module in (embedding, layer, head) for p in module.parameters()],
-                   dp_group=None)
+        buffer = GradBuffer([p for module in (embedding, layer, head)
+                             for p in module.parameters()], dp_group=None)
     hidden, *rest = embedding(inputs)
     carried = (hidden.detach().requires_grad_(), *rest)
     grad = torch.randn_like(hidden)
@@ -83,6 +84,7 @@ def layer_times(config, micro: int, seq: int, predictions: int, masked: int, dty
     sync = device_sync(device)
     ms = [1e3 * timed(lambda _, f=f: f(), [None] * (repeats + 1), sync)  # median after 1 warm-up
           for f in (run_embedding, run_layer, run_head)]
+    del buffer  # the gradients are no longer needed
     return [ms[0]] + [ms[1]] * m.num_hidden_layers + [ms[2]]
 
 

@@ -33,6 +33,7 @@ bucket is not reduced; `zero()` clears everything for the next step.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -62,6 +63,18 @@ def lay_out(sizes: list[int], bucket_elements: int, dp: int
             bounds.append((first, i + 1, bucket_start, end))
             first, bucket_start, offset = i + 1, end, end
     return starts, bounds
+
+
+def _weak_method(method):
+    """`method` of an object, called only while the object lives."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args):
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+
+    return call
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -138,8 +151,11 @@ class GradBuffer:
         self.ranges: dict[int, tuple[DtypeGroup, Bucket, int]] = {}  # id -> where it starts
         for dtype, group_params in by_dtype.items():
             self.groups.append(self._lay_out(dtype, group_params[::-1]))
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
-                       for p in unique.values()]
+        # The hooks reach this buffer through a weak reference: a parameter's hook holding the
+        # buffer would keep the buffers (every weight and gradient) alive after the model and
+        # the trainer are gone.
+        on_grad = _weak_method(self._on_grad)
+        self._hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in unique.values()]
         self._armed = False
         self._next = 0  # the next bucket to start
         self._used: set[int] = set()  # parameters whose hook ran in this step

@@ -75,6 +75,22 @@ def test_layout_views_and_accumulation():
     assert all(not p.main_grad.any() for p in params)
 
 
+def test_the_hooks_do_not_keep_the_buffer_alive():
+    """A trainer dropped while its model lives on (a second trainer, a bench) must free the
+    buffers: the parameters' hooks reach the buffer only weakly, and do nothing once it is gone."""
+    import gc
+    import weakref
+
+    net = Net()
+    buf = GradBuffer(net.parameters())
+    gone = weakref.ref(buf)
+    del buf
+    gc.collect()
+    assert gone() is None
+    net(batches(0, 1)[0]).backward()  # the orphaned hooks are harmless
+    assert net.layers[0].weight.grad is not None
+
+
 def test_bad_settings():
     with pytest.raises(ValueError, match="reduce='max'"):
         GradBuffer(Net().parameters(), reduce="max")

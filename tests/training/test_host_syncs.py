@@ -86,8 +86,9 @@ def test_every_pipeline_stage_never_syncs(unpadded):
     for layer in layers:
         init_weights(layer, 1, config.initializer_range, prefix=layer.pipe_prefix)
         layer.to(torch.bfloat16)
-    # fp32 main gradients, as the trainer's (one process: nothing to reduce)
-    GradBuffer([p for layer in layers for p in layer.parameters()], dp_group=None)
+    # fp32 main gradients, as the trainer's (one process: nothing to reduce); the hooks act
+    # while the buffer lives
+    buffer = GradBuffer([p for layer in layers for p in layer.parameters()], dp_group=None)
     set_unpadded(layers, unpadded)
     batch = random_batch(config)
     if unpadded:
@@ -109,3 +110,4 @@ def test_every_pipeline_stage_never_syncs(unpadded):
             assert param.grad is None, name  # every gradient went into main_grad
     assert all(p.main_grad.abs().sum() > 0 for layer in layers for n, p in
                layer.named_parameters() if not n.endswith("attention.key.bias"))
+    del buffer  # its hooks added every gradient above
