@@ -133,15 +133,16 @@ def load(optimizer, specs: dict[int, ParamSpec], folder: str | Path, *, tp: int 
         raise CheckpointError(f"{folder}: no optimizer shard ({shard_file(0, 0, 0)} and the "
                               "other ranks')")
     with SavedShards(files) as saved:
-        states = []
-        for f in optimizer.all_fragments():
-            spec = specs[id(f.param)]
-            lo, hi = f.param_start, f.param_start + f.numel
-            states.append({kind: saved.read(kind, spec, lo, hi, tp, tp_rank)
-                           for kind in saved.kinds})
         meta = saved.meta
-    optimizer.load_fragment_states(states, int(meta["inner_step"]), int(meta["steps"]),
-                                   int(meta["skipped_steps"]))
+        # read one fragment at a time as the optimizer takes them: each master is copied into
+        # place and dropped before the next is read (all of them read first would add a copy
+        # of the rank's weights to its peak, and leave the allocator's heap that much larger)
+        states = ({kind: saved.read(kind, specs[id(f.param)], f.param_start,
+                                    f.param_start + f.numel, tp, tp_rank)
+                   for kind in saved.kinds}
+                  for f in optimizer.all_fragments())
+        optimizer.load_fragment_states(states, int(meta["inner_step"]), int(meta["steps"]),
+                                       int(meta["skipped_steps"]))
 
 
 class SavedShards:
@@ -233,17 +234,24 @@ class SavedShards:
             raise CheckpointError(f"{self.files[0].parent}: no saved shard of {spec.name}")
         shape = self.shapes[spec.name]
         saved_tp = self.layout[0] if spec.split_dim is not None else 1
-        shards = [self._range(kind, spec.name, t, 0, math.prod(shape)).view(shape)
-                  for t in range(saved_tp)]
         padded = list(shape)
         if spec.split_dim is not None:
             padded[spec.split_dim] *= saved_tp
-        return merge_shards(shards, ParamSpec(spec.name, spec.split_dim, tuple(padded),
-                                              spec.shape, spec.layer))
+        padded_spec = ParamSpec(spec.name, spec.split_dim, tuple(padded), spec.shape, spec.layer)
+        n = math.prod(shape)
+        if spec.split_dim == 0:  # row shards lie one after the other: read each into place
+            out = torch.empty(n * saved_tp, dtype=torch.float32)
+            for t in range(saved_tp):
+                self._range(kind, spec.name, t, 0, n, out[t * n:(t + 1) * n])
+            return merge_shards([out.view(padded)], ParamSpec(spec.name, None, tuple(padded),
+                                                              spec.shape, spec.layer))
+        shards = [self._range(kind, spec.name, t, 0, n).view(shape) for t in range(saved_tp)]
+        return merge_shards(shards, padded_spec)
 
-    def _range(self, kind: str, name: str, writer_tp_rank: int, lo: int,
-               hi: int) -> torch.Tensor:
-        out = torch.empty(hi - lo, dtype=torch.float32)
+    def _range(self, kind: str, name: str, writer_tp_rank: int, lo: int, hi: int,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None:
+            out = torch.empty(hi - lo, dtype=torch.float32)
         covered = 0
         for start, end, handle, key in self.ranges.get((kind, name, writer_tp_rank), []):
             a, b = max(lo, start), min(hi, end)

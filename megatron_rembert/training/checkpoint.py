@@ -110,9 +110,9 @@ def snapshot(obj, memo: dict | None = None):
 
 
 class GuardedCheckpointEngine(TorchCheckpointEngine):
-    """DeepSpeed's torch checkpoint engine, collecting what a save writes (the files are
-    written afterwards by `_write_files`, in this thread or in the background) and loading
-    weights only."""
+    """DeepSpeed's torch checkpoint engine: a foreground save writes and hashes each file as
+    DeepSpeed hands it over; a background save collects host copies, written afterwards by
+    `_write_files` in a thread. Loads weights only."""
 
     def __init__(self, config_params=None):
         super().__init__(config_params)
@@ -150,7 +150,11 @@ class GuardedCheckpointEngine(TorchCheckpointEngine):
                 self.failed = err
 
     def save(self, state_dict, path: str) -> None:
-        self.files.append((path, snapshot(state_dict, self.memo) if self.copy else state_dict))
+        if self.copy:  # written in the background: a host copy that training cannot change
+            self.files.append((path, snapshot(state_dict, self.memo)))
+        else:  # written now: DeepSpeed's pipeline clones each layer's tensors for this call,
+            # and clones held to the end of the save would add the stage's weights to its peak
+            self.write(state_dict, path)
 
     def write(self, state_dict, path: str) -> None:
         # torch.save writes a path from C++ several times faster than through a Python file
@@ -160,6 +164,7 @@ class GuardedCheckpointEngine(TorchCheckpointEngine):
             return
         try:
             with write_errors(path):  # a full disk: torch raises a RuntimeError
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
                 torch.save(state_dict, path,
                            _use_new_zipfile_serialization=self.zipfile_serialization)
                 fd = os.open(path, os.O_RDONLY)
@@ -327,9 +332,9 @@ def save_checkpoint(engine, save_dir: str | Path, step: int, consumed_samples: i
 
 
 def _write_files(guard: GuardedCheckpointEngine, folder: Path) -> None:
-    """This rank's files of the step folder (DeepSpeed's and its RNG states), then its hashes."""
+    """This rank's files of the step folder not written yet (DeepSpeed's states in the
+    background, the RNG states, the optimizer shard), then its hashes."""
     for path, saved in guard.files:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
         guard.write(saved, path)
     if guard.failed is not None:
         raise guard.failed

@@ -38,7 +38,7 @@ states per parameter, for checks.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -225,24 +225,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return out, inner_step
 
     @torch.no_grad()
-    def load_fragment_states(self, states: list[dict[str, torch.Tensor]], inner_step: int,
-                             steps: int, skipped_steps: int) -> None:
+    def load_fragment_states(self, states: Iterable[dict[str, torch.Tensor]],
+                             inner_step: int, steps: int, skipped_steps: int) -> None:
         """Put `fragment_states()`-shaped tensors (read for this rank's fragments, whatever
-        layout saved them) into the masters and the inner optimizer (through its public
-        `load_state_dict`), then refresh the weights on every rank (a collective)."""
+        layout saved them; a list, or an iterator that reads each when it is reached) into
+        the masters and the inner optimizer (through its public `load_state_dict`), then
+        refresh the weights on every rank (a collective)."""
         frags = self.all_fragments()
-        if len(states) != len(frags):
-            raise ValueError(f"{len(states)} fragment states for {len(frags)} fragments")
-        for f, tensors in zip(frags, states, strict=True):
+        moments, remaining = [], iter(states)
+        for f, tensors in zip(frags, remaining, strict=False):  # the count is checked below
             f.master.copy_(tensors["master"])
+            moments.append({k: v for k, v in tensors.items() if k != "master"})
+        if len(moments) != len(frags) or next(remaining, None) is not None:
+            raise ValueError(f"the fragment states do not match the {len(frags)} fragments")
         saved = self.inner.state_dict()
         if inner_step > 0:
             index = {id(p): i for i, p in enumerate(
                 p for g in self.inner.param_groups for p in g["params"])}
-            saved["state"] = {
-                index[id(f.master)]: {"step": torch.tensor(float(inner_step)),
-                                      **{k: v for k, v in tensors.items() if k != "master"}}
-                for f, tensors in zip(frags, states, strict=True)}
+            saved["state"] = {index[id(f.master)]: {"step": torch.tensor(float(inner_step)),
+                                                    **moment}
+                              for f, moment in zip(frags, moments, strict=True)}
         self.inner.load_state_dict(saved)
         # torch's load_state_dict gives the inner optimizer new group dicts: share them again,
         # or a scheduler's lr (set on ours) would never reach it

@@ -1,6 +1,8 @@
 """training/checkpoint.py's `snapshot`: what a background save writes is copied off the
 training buffers at the save. Against torch.save of the live state: the same bytes, shared
-storages still shared, and later writes to the live tensors change nothing in the copy."""
+storages still shared, and later writes to the live tensors change nothing in the copy. And
+the checkpoint engine: a foreground save writes each file when DeepSpeed hands it over (its
+pipeline clones each layer for that call), a background one keeps a copy to write later."""
 
 from __future__ import annotations
 
@@ -63,3 +65,21 @@ def test_later_training_writes_do_not_reach_the_snapshot():
     state["optimizer"]["param_groups"][0]["lr"] = 0.5
     assert _bytes(copy) == before
     assert _bytes(state) != before
+
+
+def test_foreground_save_writes_each_file_when_handed_over(tmp_path):
+    from megatron_rembert.training.checkpoint import GuardedCheckpointEngine
+
+    engine = GuardedCheckpointEngine()
+    state = _state()
+    engine.start_save(copy=False)
+    path = tmp_path / "step" / "layer_01-model_00-model_states.pt"
+    engine.save(state, str(path))
+    assert path.is_file() and not engine.files  # written now, nothing held for later
+    loaded = torch.load(path, weights_only=True)
+    assert loaded["step"] == 7 and torch.equal(loaded["module"]["rest"], state["module"]["rest"])
+    assert engine.records[str(path.resolve())]["size"] == path.stat().st_size
+    engine.start_save(copy=True)
+    later = tmp_path / "step" / "layer_02-model_00-model_states.pt"
+    engine.save(state, str(later))
+    assert not later.exists() and [p for p, _ in engine.files] == [str(later)]

@@ -203,3 +203,39 @@ def test_state_dict_resumes_the_same_steps():
     ref = _reference("lamb")
     for r in results:
         assert _max_diff(r["weights"], ref["weights"]) < 2e-6
+
+
+def test_fragment_states_are_taken_one_at_a_time():
+    """A resume reads each fragment's tensors only when the optimizer reaches it: the master
+    of fragment k is in place before fragment k + 1 is read (all read first would hold a copy
+    of the rank's weights at the resume's peak). A count that does not match is refused."""
+    from megatron_rembert.parallel.grad_buffer import GradBuffer
+    from megatron_rembert.training.distributed_optimizer import DistributedOptimizer
+
+    def build():
+        model, _ = _model()
+        buffer = GradBuffer(model.parameters(), bucket_elements=BUCKET)
+        return buffer, DistributedOptimizer(buffer, _groups(model), _make("adamw"))
+
+    _, source = build()
+    with torch.no_grad():
+        for f in source.all_fragments():
+            f.master.add_(1.0)  # the saved masters differ from a fresh model's
+    saved, _ = source.fragment_states()
+    buffer, target = build()
+    frags = target.all_fragments()
+    order = []
+
+    def reading():
+        for k, tensors in enumerate(saved):
+            if k > 0:  # the previous master is in place when this fragment is read
+                order.append(torch.equal(frags[k - 1].master, saved[k - 1]["master"]))
+            yield {key: t.clone() for key, t in tensors.items()}
+
+    target.load_fragment_states(reading(), 1, 1, 0)
+    assert len(order) == len(frags) - 1 and all(order)
+    assert all(torch.equal(f.master, s["master"]) for f, s in zip(frags, saved, strict=True))
+    with pytest.raises(ValueError, match=f"the {len(frags)} fragments"):
+        build()[1].load_fragment_states(iter(saved[:-1]), 1, 1, 0)
+    with pytest.raises(ValueError, match=f"the {len(frags)} fragments"):
+        build()[1].load_fragment_states(saved + saved[:1], 1, 1, 0)
