@@ -30,6 +30,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
@@ -186,11 +187,13 @@ class GuardedCheckpointEngine(TorchCheckpointEngine):
 def _guard(engine) -> GuardedCheckpointEngine:
     current = getattr(engine, "checkpoint_engine", None)
     if not isinstance(current, GuardedCheckpointEngine):
-        config = deepspeed_private.engine_config(engine)
-        engine.checkpoint_engine = current = GuardedCheckpointEngine(config)
+        engine.checkpoint_engine = current = GuardedCheckpointEngine(_checkpoint_settings(engine))
+        if not engine.zero_optimization():  # our optimizer, or none of DeepSpeed's ZeRO files
+            return current
 
-        # The one write DeepSpeed's save makes outside its checkpoint engine (rank 0 copies
-        # its recovery scripts between the ZeRO files and the final barrier): held the same way.
+        # The one write DeepSpeed's save makes outside its checkpoint engine on its own ZeRO
+        # path (rank 0 copies its recovery scripts between the ZeRO files and the final
+        # barrier): held the same way.
         def held(copy_scripts, save_path: str) -> None:
             if current.failed is None:
                 try:
@@ -201,6 +204,16 @@ def _guard(engine) -> GuardedCheckpointEngine:
 
         deepspeed_private.route_recovery_script_copy(engine, held)
     return current
+
+
+def _checkpoint_settings(engine) -> SimpleNamespace:
+    """What DeepSpeed builds its checkpoint engine from (the `checkpoint` section's settings,
+    e.g. the file format), parsed from the config dict the engine was given (`engine.config`)
+    by DeepSpeed's own parser."""
+    from deepspeed.runtime.model_checkpointing.config import get_checkpoint_config
+
+    config = engine.config if isinstance(engine.config, dict) else {}
+    return SimpleNamespace(checkpoint_config=get_checkpoint_config(config))
 
 
 class PendingSave:

@@ -22,10 +22,9 @@ PRIVATE_NAMES = {
     "deepspeed.runtime.pipe.module.PipelineModule": ("_partition_layers", "_set_bounds",
                                                      "_topo"),
     "deepspeed.runtime.pipe.engine.PipelineEngine": ("_INSTRUCTION_MAP",),
-    # copies zero_to_fp32.py into a ZeRO checkpoint mid-save (training/checkpoint.py holds
-    # its failure like the engine's other writes); `_config`: what a checkpoint engine is
-    # built from
-    "deepspeed.runtime.engine.DeepSpeedEngine": ("_copy_recovery_script", "_config"),
+    # on DeepSpeed's own ZeRO path: copies zero_to_fp32.py into a ZeRO checkpoint mid-save
+    # (training/checkpoint.py holds its failure like the engine's other writes)
+    "deepspeed.runtime.engine.DeepSpeedEngine": ("_copy_recovery_script",),
     # `_hp_mapping`: where a parameter's fragment lies in the flat fp32 partition (LAMB);
     # the optimizer state's link to it, renewed after a load
     "deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer": (
@@ -117,11 +116,6 @@ def disable_engine_gradient_reduction(engine, pipeline: bool) -> None:
         engine.pipeline_enable_backward_allreduce = False
     else:
         engine.enable_backward_allreduce = False
-
-
-def engine_config(engine):
-    """The engine's parsed DeepSpeedConfig (what a checkpoint engine is built from)."""
-    return engine._config
 
 
 def fp32_partitions(optimizer) -> list | None:

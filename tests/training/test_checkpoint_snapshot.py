@@ -83,3 +83,25 @@ def test_foreground_save_writes_each_file_when_handed_over(tmp_path):
     later = tmp_path / "step" / "layer_02-model_00-model_states.pt"
     engine.save(state, str(later))
     assert not later.exists() and [p for p, _ in engine.files] == [str(later)]
+
+
+def test_the_checkpoint_engine_takes_deepspeeds_settings_from_the_config_given(tmp_path):
+    """The file format comes from the ds_config's `checkpoint` section, parsed by DeepSpeed's
+    own parser from the dict the engine was given (no private engine attribute); the recovery
+    scripts' copy is routed only where DeepSpeed's own ZeRO writes them."""
+    from types import SimpleNamespace
+
+    from megatron_rembert.training.checkpoint import _guard
+
+    def engine(config: dict, zero: bool):
+        return SimpleNamespace(config=config, zero_optimization=lambda: zero,
+                               _copy_recovery_script=print)
+
+    legacy = _guard(engine({"checkpoint": {"checkpoint_serialization": False}}, False))
+    assert legacy.zipfile_serialization is False
+    ours = engine({}, False)
+    assert _guard(ours).zipfile_serialization is True  # DeepSpeed's default
+    assert ours._copy_recovery_script is print  # our optimizer: DeepSpeed writes no ZeRO file
+    theirs = engine({}, True)
+    guard = _guard(theirs)
+    assert theirs._copy_recovery_script is not print and theirs.checkpoint_engine is guard
