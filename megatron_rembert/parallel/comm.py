@@ -129,6 +129,19 @@ def all_gather_into(output: torch.Tensor, input: torch.Tensor, group=None,
     return gather(output, input, group=group, async_op=async_op)
 
 
+def wait(handle) -> None:
+    """Wait for an asynchronous collective (the handle `reduce_scatter` or `all_gather_into`
+    gave). gloo reports a lost or hung peer from `wait()` as a plain RuntimeError, raised
+    outside torch.distributed's code; it is raised again as torch's DistBackendError, which
+    NCCL raises and training/hang.py recognises as a collective failure."""
+    try:
+        handle.wait()
+    except dist.DistError:
+        raise
+    except RuntimeError as err:
+        raise dist.DistBackendError(str(err)) from err
+
+
 def _one_process(output: torch.Tensor, input: torch.Tensor, async_op: bool):
     """A reduce-scatter or all-gather over one rank: `input` is the result."""
     if output.data_ptr() != input.data_ptr():

@@ -264,7 +264,7 @@ class GradBuffer:
         self._used.clear()
         for b in self.buckets:
             if b.handle is not None:
-                b.handle.wait()
+                comm.wait(b.handle)
                 b.handle = None
             if self.reduce == "mean" and self.dp > 1:
                 lo, hi = b.shard_range(self.dp_rank, self.dp)

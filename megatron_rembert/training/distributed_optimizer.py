@@ -181,7 +181,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                         self.buffer.dp_group, async_op=True)
                    for b in self.buffer.buckets]
         for h in handles:
-            h.wait()
+            comm.wait(h)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients; nothing to do right after a step (it cleared them), which is

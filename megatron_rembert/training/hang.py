@@ -54,8 +54,8 @@ def is_collective_failure(err: BaseException) -> bool:
     - gloo's timeouts and lost peers reach Python as a plain `RuntimeError` (torch 2.13; a
       test triggers one), so such an error counts when it was raised inside torch.distributed's
       own code: a blocking collective or send/recv, ours (parallel/comm.py) or DeepSpeed's.
-      (A gloo failure surfacing from the `wait()` of an asynchronous handle, outside
-      torch.distributed, is not recognised and keeps its own traceback.)
+      One surfacing from the `wait()` of an asynchronous handle, outside torch.distributed,
+      is raised again as a `DistBackendError` by `comm.wait`, which every wait of ours uses.
     A `UserError` never is one, whatever its message says."""
     import torch.distributed as dist
 

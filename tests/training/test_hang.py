@@ -112,8 +112,12 @@ def _collective_after_a_silent_peer(rank, world_size, how):
     try:
         if how == "all_reduce":
             comm.all_reduce(torch.ones(4))
-        else:  # the blocking receive DeepSpeed's pipeline makes (runtime/pipe/p2p.py)
+        elif how == "recv":  # the blocking receive DeepSpeed's pipeline makes (runtime/pipe/p2p.py)
             dist.recv(torch.zeros(4), src=1)
+        else:  # a gradient bucket's asynchronous reduce-scatter, waited for at the step
+            flat = torch.ones(8)
+            handle = comm.reduce_scatter(flat[:4], flat, async_op=True)
+            comm.wait(handle) if how == "reduce_scatter" else handle.wait()
     except Exception as err:  # noqa: BLE001 - whatever gloo raises
         return type(err).__name__, isinstance(err, dist.DistError), is_collective_failure(err)
     return "no error"
@@ -126,3 +130,16 @@ def test_a_real_gloo_timeout_is_a_collective_failure(how):
                                init_process_group=False)
     # torch 2.13's gloo raises a plain RuntimeError, not a DistError: recognised by its origin.
     assert first == ("RuntimeError", False, True), first
+
+
+@pytest.mark.multiprocess
+def test_a_failed_asynchronous_collective_is_a_collective_failure_through_comm_wait():
+    """The wait of an asynchronous handle raises gloo's RuntimeError outside torch.distributed
+    (the control: not recognised); comm.wait, which the gradient buckets and the weights'
+    all-gather use, raises torch's DistBackendError instead."""
+    ours, _ = run_distributed(_collective_after_a_silent_peer, 2, "reduce_scatter",
+                              timeout=120, init_process_group=False)
+    raw, _ = run_distributed(_collective_after_a_silent_peer, 2, "raw_wait", timeout=120,
+                             init_process_group=False)
+    assert ours == ("DistBackendError", True, True), ours
+    assert raw == ("RuntimeError", False, False), raw
