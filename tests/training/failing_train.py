@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import errno
 import os
-import sys
 
 
 def _full(path) -> bool:
@@ -112,6 +111,6 @@ FAILURES = {"checkpoint-disk-full": _checkpoint_disk_full,
 if __name__ == "__main__":
     if os.environ.get("FAILING_RANK", "0") == os.environ.get("RANK", "0"):
         FAILURES[os.environ["FAILURE"]]()
-    from megatron_rembert.train import main
+    from megatron_rembert.train import console_main
 
-    sys.exit(main())
+    console_main()  # as rembert-train ends

@@ -50,7 +50,7 @@ def init(self, *args, **kwargs):
     real_init(self, *args, **kwargs)
 
 engine.Trainer.train_step, loop.ckpt.save_checkpoint, engine.Trainer.__init__ = step, save, init
-sys.exit(train.main(sys.argv[1:]))
+train.console_main(sys.argv[1:])  # as rembert-train ends
 """
 
 

@@ -246,7 +246,7 @@ if plan["at"] == "first line":
 from megatron_rembert import train
 
 if __name__ == "__main__":  # not in the loader's spawned workers, which import this file
-    sys.exit(train.main(sys.argv[1:]))
+    train.console_main(sys.argv[1:])  # as rembert-train ends
 """
 
 STARTUP_POINTS = [
@@ -318,3 +318,28 @@ def test_signals_repeated_until_the_exit_change_nothing_after_the_first(
     assert sorted(resumed) == sorted(losses_of_8_steps) == list(range(1, steps + 1))
     for step, loss in losses_of_8_steps.items():
         assert resumed[step] == pytest.approx(loss, rel=1e-6), f"step {step}"
+
+
+def test_the_command_ends_without_the_interpreters_teardown():
+    """rembert-train and train.py end with main's exit code once main has returned, with
+    their output flushed and without the interpreter's teardown (where gloo's backends could
+    abort a rank that had ended cleanly): an exit handler registered before never runs. A
+    bug's exception still ends the usual way, teardown included."""
+    code = ("import atexit, runpy, sys\n"
+            "atexit.register(lambda: print('teardown ran', flush=True))\n"
+            "sys.argv = ['train.py'] + sys.argv[1:]\n"
+            "runpy.run_path('train.py', run_name='__main__')\n")
+    dry = subprocess.run([sys.executable, "-c", code, "--config", "configs/tiny.yaml",
+                          "--dry-run"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert dry.returncode == 0, dry.stderr[-2000:]
+    assert "teardown ran" not in dry.stdout and "parameters" in dry.stdout, dry.stdout[-2000:]
+    bad = subprocess.run([sys.executable, "-c", code, "--config", "configs/tiny.yaml",
+                          "--set", "train.steps=-1"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode == 2 and "error:" in bad.stderr and "teardown ran" not in bad.stdout
+    broken = code.replace("runpy.run_path", "import megatron_rembert.train as t\n"
+                          "t.main = lambda argv=None: 1 / 0\nrunpy.run_path")
+    crash = subprocess.run([sys.executable, "-c", broken, "--config", "configs/tiny.yaml"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert crash.returncode == 1 and "ZeroDivisionError" in crash.stderr
+    assert "teardown ran" in crash.stdout
