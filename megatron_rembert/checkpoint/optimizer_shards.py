@@ -237,16 +237,15 @@ class SavedShards:
         padded = list(shape)
         if spec.split_dim is not None:
             padded[spec.split_dim] *= saved_tp
-        padded_spec = ParamSpec(spec.name, spec.split_dim, tuple(padded), spec.shape, spec.layer)
         n = math.prod(shape)
         if spec.split_dim == 0:  # row shards lie one after the other: read each into place
-            out = torch.empty(n * saved_tp, dtype=torch.float32)
+            full = torch.empty(n * saved_tp, dtype=torch.float32)
             for t in range(saved_tp):
-                self._range(kind, spec.name, t, 0, n, out[t * n:(t + 1) * n])
-            return merge_shards([out.view(padded)], ParamSpec(spec.name, None, tuple(padded),
-                                                              spec.shape, spec.layer))
+                self._range(kind, spec.name, t, 0, n, full[t * n:(t + 1) * n])
+            return full.view(padded)[: spec.shape[0]]  # vocabulary padding stripped
         shards = [self._range(kind, spec.name, t, 0, n).view(shape) for t in range(saved_tp)]
-        return merge_shards(shards, padded_spec)
+        return merge_shards(shards, ParamSpec(spec.name, spec.split_dim, tuple(padded),
+                                              spec.shape, spec.layer))
 
     def _range(self, kind: str, name: str, writer_tp_rank: int, lo: int, hi: int,
                out: torch.Tensor | None = None) -> torch.Tensor:

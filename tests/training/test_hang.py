@@ -117,7 +117,10 @@ def _collective_after_a_silent_peer(rank, world_size, how):
         else:  # a gradient bucket's asynchronous reduce-scatter, waited for at the step
             flat = torch.ones(8)
             handle = comm.reduce_scatter(flat[:4], flat, async_op=True)
-            comm.wait(handle) if how == "reduce_scatter" else handle.wait()
+            if how == "reduce_scatter":
+                comm.wait(handle)
+            else:  # the raw wait, the control
+                handle.wait()
     except Exception as err:  # noqa: BLE001 - whatever gloo raises
         return type(err).__name__, isinstance(err, dist.DistError), is_collective_failure(err)
     return "no error"
