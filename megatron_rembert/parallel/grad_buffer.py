@@ -65,7 +65,7 @@ def lay_out(sizes: list[int], bucket_elements: int, dp: int
     return starts, bounds
 
 
-def _weak_method(method):
+def weak_method(method):
     """`method` of an object, called only while the object lives."""
     ref = weakref.WeakMethod(method)
 
@@ -154,7 +154,7 @@ class GradBuffer:
         # The hooks reach this buffer through a weak reference: a parameter's hook holding the
         # buffer would keep the buffers (every weight and gradient) alive after the model and
         # the trainer are gone.
-        on_grad = _weak_method(self._on_grad)
+        on_grad = weak_method(self._on_grad)
         self._hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in unique.values()]
         self._armed = False
         self._next = 0  # the next bucket to start

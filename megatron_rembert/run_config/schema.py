@@ -42,6 +42,10 @@ class ParallelConfig:
         40_000_000,
         help=("elements per gradient bucket (ZeRO-1 in bf16/fp32): each bucket's DP "
               "reduce-scatter starts as soon as backward has produced its gradients"))
+    overlap_weight_gather: bool = setting(
+        True,
+        help=("ZeRO-1 in bf16/fp32: the step returns with the weights' DP all-gather in "
+              "flight; each layer's forward waits for its own bucket only"))
     activation_checkpointing: bool = setting(False,
                                              help="recompute each Transformer layer in backward")
     stage_memory_gib: float = setting(

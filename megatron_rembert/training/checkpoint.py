@@ -271,6 +271,7 @@ def save_checkpoint(engine, save_dir: str | Path, step: int, consumed_samples: i
     owned = isinstance(engine.optimizer, DistributedOptimizer)
     if owned:
         meta = {**meta, "optimizer_format": optimizer_shards.FORMAT}
+        engine.optimizer.wait_for_weights()  # the step may have left their all-gather in flight
     if not background:
         check_weights(engine.module.parameters(), step, max_weight_abs, save_dir)
     if comm.rank() == 0:  # a partial folder left by a kill at this step; never through a link

@@ -21,7 +21,10 @@ What overlaps compute (the rest is exposed: bytes / bandwidth adds to the step):
   bucket), at pp = 1 during the last micro-batch's backward, hidden up to that backward's
   compute time (two thirds of the stage's FLOPs of one micro-batch); at pp > 1 they start at
   the step (DeepSpeed's pipeline schedule gives no hook for the last backward): exposed. The
-  weights' all-gather after the step, bucket by bucket: exposed.
+  weights' all-gather after the step, bucket by bucket: with parallel.overlap_weight_gather
+  (the default) in flight while the next step's first forward runs, each layer waiting for its
+  own bucket, hidden up to that forward's compute time (a third of the stage's FLOPs of one
+  micro-batch); without it, exposed.
 - DP, path "deepspeed" (fp16, ZeRO-2, fp32 without ZeRO: DeepSpeed's own reduction): an
   estimate of the same shape that no test checks.
 """
@@ -76,7 +79,8 @@ class Collective:
     # or the message sent or received
     calls: int
     ranks: tuple[int, ...]  # the group's ranks; for send and recv (this rank, its peer)
-    overlap: str = "none"  # "none", or "backward": hidden behind the last backward
+    overlap: str = "none"  # "none", "backward": hidden behind the last backward, or
+    # "forward": behind the next step's first forward
 
     @property
     def size(self) -> int:
@@ -193,7 +197,9 @@ def _dp(config: Config, plan: RunPlan, stage: int, rank: int, path: str) -> list
                            len(buckets), ranks,
                            overlap="backward" if layout.pp == 1 else "none"),
                 Collective("DP", "all-gather", "weights after the ZeRO-1 step",
-                           weight * elements, len(buckets), ranks)]
+                           weight * elements, len(buckets), ranks,
+                           overlap="forward" if config.parallel.overlap_weight_gather
+                           else "none")]
     gather = Collective("DP", "all-gather", "weights after the ZeRO-1 step", weight * params,
                         groups, ranks)
     if config.parallel.zero_stage == 0:  # the engine all-reduces the gradients after backward
@@ -247,16 +253,19 @@ def stage_time(config: Config, plan: RunPlan, stage: int, links: LinkAssumptions
                path: str | None = None) -> StageTime:
     """Compute: the stage's training FLOPs per rank (the stage split's count, recomputation
     included) x micro-batches / (peak x MFU). Exposed: each collective's wire bytes /
-    bandwidth, less what hides behind the last micro-batch's backward where it overlaps."""
+    bandwidth, less what hides behind the last micro-batch's backward or the next step's
+    first forward where it overlaps."""
     rate = links.peak_flops * links.mfu
     per_micro = plan.stages.flops[stage]
     compute = per_micro * plan.layout.gas / rate
-    window = 2 / 3 * per_micro / rate  # the last backward, what an overlapped reduction hides in
+    # what an overlapped collective hides in: the last backward, the next step's first forward
+    window = {"backward": 2 / 3 * per_micro / rate, "forward": 1 / 3 * per_micro / rate}
     collectives = step_collectives(config, plan, stage, path)
     exposed = []
     for c in collectives:
         seconds = c.wire_bytes / links.bytes_per_second(c.ranks)
-        if c.overlap == "backward":
-            seconds, window = max(0.0, seconds - window), max(0.0, window - seconds)
+        if c.overlap in window:
+            hidden = min(seconds, window[c.overlap])
+            seconds, window[c.overlap] = seconds - hidden, window[c.overlap] - hidden
         exposed.append(seconds)
     return StageTime(stage, compute, collectives, exposed)

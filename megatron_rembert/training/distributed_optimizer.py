@@ -22,8 +22,18 @@ A step (`step()`, after the last micro-batch's backward):
 4. clipping to `clip_grad` (coefficient clip / (norm + 1e-6), DeepSpeed's) multiplies the
    shards once; the inner optimizer steps the fragments;
 5. the masters are written into the training-dtype weight buffer's shard and each bucket's
-   weights all-gathered over DP (asynchronously, all buckets in flight, then waited for);
+   weights all-gathered over DP (asynchronously, all buckets in flight, then waited for; or,
+   after `overlap_weight_gather`, left in flight: see below);
 6. the gradient buffers are zeroed.
+
+The weights' all-gather overlapped with the next forward (`overlap_weight_gather`, as
+Megatron-Core's overlap_param_gather and FSDP2's per-block unshard): the step returns with every
+bucket's all-gather in flight, issued in forward order (the buffer's last bucket, which holds the
+first layers, first), and the forward waits for a bucket only when it reaches a unit (an
+embedding, a Transformer layer, the head) whose parameters lie in it: a forward pre-hook per
+unit, and one on the model for parameters outside every unit. A module's `state_dict()` waits
+for all of them; so do `wait_for_weights()` (the trainer calls it before a save's checks and at
+the end of training), the next step and every method here that reads or writes the weights.
 
 LAMB's trust ratio is that of the whole parameter: the fragments' squared norms of weight and
 update are summed over the DP group (and the TP group for TP-split parameters) before the
@@ -44,7 +54,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_rembert.parallel import comm, state
-from megatron_rembert.parallel.grad_buffer import Bucket, GradBuffer
+from megatron_rembert.parallel.grad_buffer import Bucket, GradBuffer, weak_method
 from megatron_rembert.parallel.layers import is_tp_sharded
 from megatron_rembert.training.lamb import Lamb
 
@@ -113,6 +123,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # Whether the last step was skipped: the attribute DeepSpeed's engine reads after a
         # client optimizer's step() (then it counts a skipped step and leaves the LR schedule)
         self.overflow = False
+        self.defer_gather = False  # overlap_weight_gather() was called
+        self._gathering: dict[int, object] = {}  # bucket index -> its all-gather in flight
 
     def _fragment(self, param: torch.nn.Parameter) -> Fragment | None:
         bucket, offset = self.buffer.offset(param)
@@ -147,6 +159,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("DistributedOptimizer.step takes no closure")
+        self.wait_for_weights()
         self.buffer.finish()
         norm = float(self.norm())  # the step's one host read
         self.grad_norm = norm
@@ -165,23 +178,67 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.inner.step()
         for f in self.all_fragments():
             f.master.grad = None
-        self._publish()
+        self._publish(wait=not self.defer_gather)
         self.buffer.zero()
         self.steps += 1
         return None
 
-    def _publish(self) -> None:
-        """Masters -> this rank's weight shards -> every rank's weights."""
+    def _publish(self, wait: bool = True) -> None:
+        """Masters -> this rank's weight shards -> every rank's weights (in forward order: the
+        last bucket first). `wait=False`: left in flight (`wait_for_weights`)."""
+        self.wait_for_weights()
         for f in self.all_fragments():
             if f.master is not f.weight:
                 f.weight.copy_(f.master)
         if self.buffer.dp == 1:
             return
-        handles = [comm.all_gather_into(b.weights, self.buffer.shard(b, grads=False),
-                                        self.buffer.dp_group, async_op=True)
-                   for b in self.buffer.buckets]
-        for h in handles:
-            comm.wait(h)
+        for b in reversed(self.buffer.buckets):
+            self._gathering[b.index] = comm.all_gather_into(
+                b.weights, self.buffer.shard(b, grads=False), self.buffer.dp_group,
+                async_op=True)
+        if wait:
+            self.wait_for_weights()
+
+    # -- the weights' all-gather overlapped with the next forward ---------------------------------
+    def wait_for_weights(self, buckets: Iterable[int] | None = None) -> None:
+        """Wait for the weights' all-gathers in flight: of the given bucket indices, or all."""
+        for index in list(self._gathering) if buckets is None else buckets:
+            handle = self._gathering.pop(index, None)
+            if handle is not None:
+                comm.wait(handle)
+
+    @property
+    def gathering(self) -> list[int]:
+        """Indices of the buckets whose weights' all-gather is still in flight."""
+        return sorted(self._gathering)
+
+    def overlap_weight_gather(self, model: torch.nn.Module,
+                              units: tuple[type[torch.nn.Module], ...]) -> None:
+        """From the next step on, leave the weights' all-gathers in flight after the step: each
+        module of `model` that is an instance of `units` waits, before its forward, for the
+        buckets of its parameters (its submodules' included), and `model` itself for those of
+        the parameters outside every unit. Every module's `state_dict()` waits for all. A unit
+        must use no parameter outside itself in its forward; a parameter shared by two units
+        is waited for by both."""
+        in_buffer = {id(p) for p in self.buffer.params()}
+        covered: set[int] = set()
+        self._weight_hooks = []
+        wait_for = weak_method(self.wait_for_weights)
+        for module in model.modules():
+            if isinstance(module, units) and module is not model:
+                own = [p for p in module.parameters() if id(p) in in_buffer]
+                covered.update(id(p) for p in own)
+                self._weight_hooks.append(self._wait_before_forward(module, own, wait_for))
+        rest = [p for p in model.parameters() if id(p) in in_buffer and id(p) not in covered]
+        self._weight_hooks.append(self._wait_before_forward(model, rest, wait_for))
+        for module in model.modules():
+            self._weight_hooks.append(module.register_state_dict_pre_hook(
+                lambda *_: wait_for(None)))
+        self.defer_gather = True
+
+    def _wait_before_forward(self, module: torch.nn.Module, params: list, wait_for):
+        buckets = sorted({self.buffer.offset(p)[0].index for p in params})
+        return module.register_forward_pre_hook(lambda *_: wait_for(buckets))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients; nothing to do right after a step (it cleared them), which is
@@ -231,6 +288,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         layout saved them; a list, or an iterator that reads each when it is reached) into
         the masters and the inner optimizer (through its public `load_state_dict`), then
         refresh the weights on every rank (a collective)."""
+        self.wait_for_weights()
         frags = self.all_fragments()
         moments, remaining = [], iter(states)
         for f, tensors in zip(frags, remaining, strict=False):  # the count is checked below
@@ -258,6 +316,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Every parameter's whole fp32 weight and optimizer state tensors (a collective):
         {"weights": [...], "state": {name: [...]}, "steps": n}, lists in the order of the
         parameter groups' parameters."""
+        self.wait_for_weights()
         frags = self.all_fragments()
         keys = sorted({k for f in frags for k, v in self.inner.state.get(f.master, {}).items()
                        if isinstance(v, torch.Tensor) and v.shape == f.master.shape})

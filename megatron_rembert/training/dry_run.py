@@ -158,7 +158,7 @@ def communication_lines(config: Config, plan: RunPlan, links: LinkAssumptions) -
                    key=lambda pair: order[pair[0].group])
     rows = [[c.group, c.size, "inter-node" if links.inter_node(c.ranks) else "intra-node",
              c.op, c.what, c.calls, f"{c.wire_bytes / 2**20:,.1f}",
-             "during backward" if c.overlap == "backward" else "no", f"{s * 1e3:,.2f}"]
+             f"during {c.overlap}" if c.overlap != "none" else "no", f"{s * 1e3:,.2f}"]
             for c, s in pairs]
     if rows:
         lines.append(format_table(["group", "size", "link", "collective", "what", "calls",

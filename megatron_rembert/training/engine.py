@@ -26,7 +26,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from megatron_rembert.data import batch
-from megatron_rembert.model.mlm_head import MLMLoss
+from megatron_rembert.model.embeddings import RemBertEmbeddings
+from megatron_rembert.model.mlm_head import MLMHead, MLMLoss
 from megatron_rembert.model.pipeline import (
     pipeline_inputs,
     pipeline_layer_builders,
@@ -46,6 +47,12 @@ from megatron_rembert.training.lamb import Lamb
 from megatron_rembert.training.optim import build_optimizer, build_scheduler, deepspeed_config
 from megatron_rembert.training.plan import RunPlan
 from megatron_rembert.training.startup import STARTUP
+
+
+# The modules that wait for their own weights' all-gather before their forward
+# (parallel.overlap_weight_gather): each uses no parameter outside itself in its forward (the
+# head's tied table is its own too); the pipeline's layers are subclasses.
+GATHER_UNITS = (RemBertEmbeddings, TransformerLayer, MLMHead)
 
 
 @dataclass
@@ -159,6 +166,8 @@ class Trainer:
             optimizer.use_flat_partitions(self.optimizer)
         if self.owned and self.pipeline:
             self.engine.pipeline_enable_backward_allreduce = False  # the engine's public switch
+        if self.owned and config.parallel.overlap_weight_gather:
+            optimizer.overlap_weight_gather(model, GATHER_UNITS)
         if not self.owned and config.parallel.zero_stage == 0 and plan.layout.dp == 1:
             # fp32 without ZeRO on one DP rank: DeepSpeed's all-reduce would flatten, "reduce"
             # and copy back every gradient for nothing (seconds per step on CPU)
@@ -286,6 +295,12 @@ class Trainer:
             for mb in micro_batches:
                 step.scaled_loss(self.engine(**mb))
         return self._finish_stats(step)
+
+    def wait_for_weights(self) -> None:
+        """The weights of the last step, all-gathered over DP: before reading them outside a
+        forward (parallel.overlap_weight_gather leaves the all-gather in flight)."""
+        if self.owned:
+            self.optimizer.wait_for_weights()
 
     def loss_scale(self) -> float | None:
         if self.config.train.precision != "fp16":

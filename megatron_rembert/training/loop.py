@@ -199,6 +199,7 @@ def _train(config: Config, launch: LaunchEnv, world: int, device: torch.device,
             break
     POSITION.set(phase="checkpoint save")
     ckpt.wait_for_save(trainer.engine)  # the run's last save, complete before it says so
+    trainer.wait_for_weights()  # the last step's, whether saved or not
     if average.values():
         log.log(step, average.values(), prefix="run_average")
     log.console(average.line())

@@ -102,6 +102,7 @@ def integrity_worker(rank, world_size, root: str) -> dict:
     out["full_disk"] = _error(lambda: ckpt.save_checkpoint(
         trainer.engine, save_dir, 2, 2 * GLOBAL_BATCH, meta, keep_last=5))
     torch.save = real_save
+    trainer.wait_for_weights()
     with torch.no_grad():
         next(trainer.engine.module.parameters())[0] = float("inf")  # what optim.lr=inf does
     out["non_finite"] = _error(lambda: ckpt.save_checkpoint(

@@ -103,6 +103,7 @@ def train_worker(rank, world_size, overrides, fp16_on_cpu=False):
                                 config.model.vocab_size)
         before = [p.detach().clone() for p in trainer.engine.module.parameters()]
         stats = trainer.train_step(batches)
+        trainer.wait_for_weights()  # parallel.overlap_weight_gather leaves them in flight
         changed = any(not torch.equal(b, p) for b, p in
                       zip(before, trainer.engine.module.parameters(), strict=True))
         out.append((stats.loss, stats.grad_norm, stats.masked_tokens, stats.loss_scale,

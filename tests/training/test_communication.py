@@ -115,18 +115,24 @@ def test_dp_bytes_of_the_production_path():
     assert not [c for c in step_collectives(config1, plan1, 0) if c.group == "DP"]
 
 
-def test_only_the_reduce_scatter_hides_behind_the_last_backward():
-    config, plan = _tiny("parallel.tp=2", "train.global_batch_size=16", "train.precision=bf16")
+@pytest.mark.parametrize("overlap", [True, False])
+def test_the_reduce_scatter_hides_behind_backward_the_gather_behind_forward(overlap):
+    config, plan = _tiny("parallel.tp=2", "train.global_batch_size=16", "train.precision=bf16",
+                         f"parallel.overlap_weight_gather={str(overlap).lower()}")
     elements = _bucket_elements(config, plan)
     slow = LinkAssumptions(intra_node_gbps=0.001, inter_node_gbps=0.001, mfu=0.5)
     rate = slow.peak_flops * 0.5
     backward = 2 / 3 * plan.stages.flops[0] / rate  # one micro-batch's
+    forward = backward / 2
     seconds = 3 / 4 * 4 * elements / (0.001e9 / 8)
+    gather = 3 / 4 * 2 * elements / (0.001e9 / 8)
+    assert gather > forward  # the slow link: some of it stays exposed
     t = stage_time(config, plan, 0, slow)
     exposed = {c.op: s for c, s in zip(t.collectives, t.exposed_s, strict=True)
                if c.group == "DP"}
     assert exposed["reduce-scatter"] == pytest.approx(seconds - backward, rel=1e-9)
-    assert exposed["all-gather"] == pytest.approx(3 / 4 * 2 * elements / (0.001e9 / 8), rel=1e-9)
+    assert exposed["all-gather"] == pytest.approx(gather - forward if overlap else gather,
+                                                  rel=1e-9)
     assert t.compute_s == pytest.approx(plan.stages.flops[0] * plan.layout.gas / rate)
     fast = stage_time(config, plan, 0, LinkAssumptions(intra_node_gbps=1e9))
     assert [s for c, s in zip(fast.collectives, fast.exposed_s, strict=True)

@@ -72,6 +72,7 @@ def _train(trainer, config, rank: int, world_size: int) -> dict:
     for step in range(3):
         trainer.train_step(micro_batches(step, GLOBAL, MICRO, rank, world_size,
                                          config.model.vocab_size))
+    trainer.wait_for_weights()  # parallel.overlap_weight_gather leaves them in flight
     masters, moments = _masters_and_momentum(trainer)
     module = trainer.engine.module
     return {"weights": {n: p.detach().clone() for n, p in local_parameters(module)},

@@ -8,7 +8,9 @@ process with plain autograd and the plain optimizer:
   weights: (n-1)/n x 6 per parameter plus the buffers' padding (the fp32 all-reduce + bf16
   all-gather this replaced moved (n-1)/n x 10);
 - a gradient that is not finite on one rank skips the step on every rank alike;
-- fragment_states / load_fragment_states per rank resume the same steps.
+- fragment_states / load_fragment_states per rank resume the same steps;
+- the weights' all-gather left in flight after the step (`overlap_weight_gather`): waited for
+  unit by unit in the next forward, with the same weights bit for bit and the same bytes.
 """
 
 from __future__ import annotations
@@ -94,7 +96,8 @@ def _reference(optimizer: str, steps: int = STEPS, nan_step: int | None = None) 
 
 
 def _worker(rank: int, dp: int, optimizer: str, nan_step: int | None = None,
-            dtype=torch.float32, steps: int = STEPS, resume_at: int | None = None):
+            dtype=torch.float32, steps: int = STEPS, resume_at: int | None = None,
+            overlap: bool = False):
     import torch.distributed as dist
 
     from megatron_rembert.parallel import comm
@@ -106,10 +109,19 @@ def _worker(rank: int, dp: int, optimizer: str, nan_step: int | None = None,
         buffer = GradBuffer(model.parameters(), dp_group=dist.group.WORLD,
                             bucket_elements=BUCKET)
         opt = DistributedOptimizer(buffer, _groups(model), _make(optimizer), clip_grad=CLIP)
+        if overlap:
+            opt.overlap_weight_gather(model, GATHER_UNITS)
+            for name, module in model.named_modules():  # after the optimizer's own hooks
+                if isinstance(module, GATHER_UNITS):
+                    module.register_forward_pre_hook(
+                        lambda *_, name=name: at_units.append((name, opt.gathering)))
         return model, config, buffer, opt
 
+    from megatron_rembert.training.engine import GATHER_UNITS
+
+    at_units: list[tuple[str, list[int]]] = []  # (unit, buckets still in flight) at its forward
     model, config, buffer, opt = build()
-    traffic, norms, saved = [], [], None
+    traffic, norms, saved, after_step = [], [], None, []
     for step in range(steps):
         if step == resume_at:  # a fresh model and optimizer from this rank's state
             states, inner_step = opt.fragment_states()
@@ -118,12 +130,14 @@ def _worker(rank: int, dp: int, optimizer: str, nan_step: int | None = None,
             model, config, buffer, opt = build()
             opt.load_fragment_states(*saved)
         batches = micro_batches(step, GLOBAL, MICRO, rank, dp, config.model.vocab_size)
+        at_units.clear()  # keep the last step's forward passes only
         tokens = comm.all_reduce(torch.tensor(_tokens(batches)))
         comm.TRAFFIC.reset()
         for loss in step_losses(model, buffer, batches, tokens,
                                 step == nan_step and rank == dp - 1):
             loss.backward()
         opt.step()
+        after_step.append(opt.gathering)
         traffic.append(dict(comm.TRAFFIC.wire_bytes))
         norms.append(opt.grad_norm)
     full = opt.full_tensors()
@@ -134,7 +148,18 @@ def _worker(rank: int, dp: int, optimizer: str, nan_step: int | None = None,
             "exp_avg": dict(zip(names, full["state"].get("exp_avg", []), strict=False)),
             "traffic": traffic, "norms": norms, "skipped": opt.skipped_steps,
             "params": sum(p.numel() for p in model.parameters()),
-            "padding": buffer.padding, "buckets": len(buffer.buckets)}
+            "padding": buffer.padding, "buckets": len(buffer.buckets),
+            "after_step": after_step, "at_units": at_units,
+            "unit_buckets": {name: sorted({buffer.offset(p)[0].index
+                                           for p in module.parameters()})
+                             for name, module in model.named_modules()
+                             if name in dict(at_units)}}
+
+
+def _both_ways(rank: int, dp: int) -> tuple[dict, dict]:
+    """The same steps with the weights' all-gather waited for in the step, then overlapped."""
+    return (_worker(rank, dp, "adamw", dtype=torch.bfloat16, steps=3),
+            _worker(rank, dp, "adamw", dtype=torch.bfloat16, steps=3, overlap=True))
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -203,6 +228,31 @@ def test_state_dict_resumes_the_same_steps():
     ref = _reference("lamb")
     for r in results:
         assert _max_diff(r["weights"], ref["weights"]) < 2e-6
+
+
+@pytest.mark.multiprocess
+def test_weight_gather_overlaps_the_next_forward():
+    """bf16 weights at dp 2: the step returns with every bucket's all-gather in flight; in the
+    next forward each unit finds its own buckets waited for and the later units' still in
+    flight (the host waited for nothing more than the forward so far needed); the weights,
+    norms and bytes on the wire equal those of the step that waits, bit for bit."""
+    for waited, overlapped in run_distributed(_both_ways, 2, timeout=900):
+        buckets = list(range(overlapped["buckets"]))
+        assert waited["after_step"] == [[]] * 3  # the control: nothing left in flight
+        assert overlapped["after_step"] == [buckets] * 3
+        seen = overlapped["at_units"]  # the last step's forward passes, unit by unit
+        first = seen[0]
+        assert first[0] == "rembert.embeddings", seen
+        own = overlapped["unit_buckets"]
+        assert not set(own[first[0]]) & set(first[1])  # its own weights are in ...
+        assert len(first[1]) >= 2  # ... while the other units' are still in flight
+        for name, pending in seen:
+            assert not set(own[name]) & set(pending), (name, pending)
+        assert [p for n, p in seen if n == "mlm_head"][0] == []  # the head's bucket came last
+        assert overlapped["norms"] == waited["norms"]
+        assert overlapped["traffic"] == waited["traffic"]
+        for name, weight in waited["weights"].items():
+            assert torch.equal(overlapped["weights"][name], weight), name
 
 
 def test_fragment_states_are_taken_one_at_a_time():
