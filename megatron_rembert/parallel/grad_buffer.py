@@ -17,15 +17,17 @@ autograd no gradient; for every other parameter a post-accumulate-grad hook (tor
 `register_post_accumulate_grad_hook`) adds `param.grad` into `main_grad` and frees it. Autograd
 runs the hook for the kernels' parameters too (with `grad` None), after their backward.
 
-Reduction: `last_micro_batch()` before the step's last backward arms it. From then on a
-parameter is ready when its hook has run (or `mark_ready(param)` was called, for a gradient
-added outside autograd), and a bucket whose parameters are all ready starts its reduce-scatter
-at once, asynchronously, while backward goes on with earlier layers. Buckets start in index
+Reduction: `expect(passes)` before the first of the step's backward passes (its micro-batches
+on this rank; at pp > 1 those the pipeline schedule runs on this stage) arms it. From then on a
+parameter is ready when its hook has run once per pass, and a bucket whose parameters are all
+ready starts its reduce-scatter at once, asynchronously, while the last backward goes on with earlier layers: no
+hook into the schedule is needed to know which backward is the last. Buckets start in index
 order on every rank (a bucket completed early waits for the ones before it), so the ranks issue
 the same collectives in the same order whatever order their hooks ran in. A parameter that got
 no gradient in the whole previous step (one that takes no part in the model's forward) counts
 as ready from the start, so that it holds back no bucket; should it get a gradient after its
-bucket started, the step fails naming it (that gradient would be lost). `finish()` starts what
+bucket started, the step fails naming it (that gradient would be lost). A parameter whose hook
+ran in fewer passes than expected holds its bucket until `finish()`. `finish()` starts what
 is left (in the first step: the buckets of unused parameters and all after them) and waits;
 afterwards shard r of each bucket holds the sum (or mean) over the DP ranks. The rest of a
 bucket is not reduced; `zero()` clears everything for the next step.
@@ -157,6 +159,7 @@ class GradBuffer:
         on_grad = weak_method(self._on_grad)
         self._hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in unique.values()]
         self._armed = False
+        self._passes_left: dict[int, int] = {}  # per parameter: backward passes still to come
         self._next = 0  # the next bucket to start
         self._used: set[int] = set()  # parameters whose hook ran in this step
         self._unused: set[int] = set()  # parameters that got no gradient in the previous step
@@ -210,31 +213,35 @@ class GradBuffer:
             _, bucket, _ = self.ranges[id(param)]
             if bucket.index < self._next:
                 raise RuntimeError(
-                    f"{self._names[id(param)]} got a gradient in the last micro-batch after "
-                    "its bucket's reduce-scatter started: it had none in the previous step. "
-                    "Set requires_grad=False on parameters the model does not always use")
+                    f"{self._names[id(param)]} got a gradient after its bucket's "
+                    "reduce-scatter started: it had none in the previous step. Set "
+                    "requires_grad=False on parameters the model does not always use")
         if param.grad is not None:  # None: a kernel added into main_grad itself
             param.main_grad.add_(param.grad)
             param.grad = None
         if self._armed:
-            self.mark_ready(param)
+            left = self._passes_left.get(id(param), 0) - 1
+            self._passes_left[id(param)] = left
+            if left == 0:
+                self._ready(param)
 
-    def last_micro_batch(self) -> None:
-        """The next backward is the step's last: each bucket's reduce-scatter starts as soon as
-        its gradients are complete."""
+    def expect(self, passes: int) -> None:
+        """This step's gradients come from the next `passes` backward passes: each bucket's
+        reduce-scatter starts as soon as its parameters' hooks have run that many times (during
+        the last pass). `expect(1)` before the last micro-batch does the same."""
+        if passes < 1:
+            raise ValueError(f"passes={passes}: must be >= 1")
         for b in self.buckets:
             b.ready.clear()
         self._next = 0
         self._armed = True
+        self._passes_left = {i: passes for i in self.ranges if i not in self._unused}
         for b in self.buckets:
             b.ready.update(i for i in self._unused if self.ranges[i][1] is b)
         self._advance()
 
-    def mark_ready(self, param: torch.nn.Parameter) -> None:
-        """`param`'s gradient of the last micro-batch is complete (for gradients added outside
-        autograd; autograd's are marked by the hook). Outside the last micro-batch: nothing."""
-        if not self._armed:
-            return
+    def _ready(self, param: torch.nn.Parameter) -> None:
+        """`param`'s gradient of this step is complete."""
         _, bucket, _ = self.ranges[id(param)]
         bucket.ready.add(id(param))
         self._advance()

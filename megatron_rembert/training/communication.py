@@ -18,10 +18,9 @@ What overlaps compute (the rest is exposed: bytes / bandwidth adds to the step):
   compute instructions: exposed, both directions.
 - DP, path "reduce_scatter" (ZeRO-1 in bf16 or fp32: training/data_parallel.py): the fp32
   gradients reduce-scattered bucket by bucket (parallel/grad_buffer.py's layout, one call per
-  bucket), at pp = 1 during the last micro-batch's backward, hidden up to that backward's
-  compute time (two thirds of the stage's FLOPs of one micro-batch); at pp > 1 they start at
-  the step (DeepSpeed's pipeline schedule gives no hook for the last backward): exposed. The
-  weights' all-gather after the step, bucket by bucket: with parallel.overlap_weight_gather
+  bucket), during the last micro-batch's backward on this rank (at pp > 1 the stage's last
+  backward of the schedule), hidden up to that backward's compute time (two thirds of the
+  stage's FLOPs of one micro-batch). The weights' all-gather after the step, bucket by bucket: with parallel.overlap_weight_gather
   (the default) in flight while the next step's first forward runs, each layer waiting for its
   own bucket, hidden up to that forward's compute time (a third of the stage's FLOPs of one
   micro-batch); without it, exposed.
@@ -48,8 +47,8 @@ from megatron_rembert.training.plan import RunPlan
 
 # How the DP gradients are reduced: the path a run takes is `dp_path(config)`.
 DP_PATHS = {
-    "reduce_scatter": "fp32 reduce-scatter in buckets (during the last backward at pp = 1), "
-                      "then the weights' all-gather",
+    "reduce_scatter": "fp32 reduce-scatter in buckets (during the last backward), then the "
+                      "weights' all-gather (during the next forward)",
     "deepspeed": "DeepSpeed's own reduction (estimate)",
 }
 # training/optim.py's parameter groups (with and without weight decay): DeepSpeed keeps one
@@ -194,8 +193,7 @@ def _dp(config: Config, plan: RunPlan, stage: int, rank: int, path: str) -> list
         buckets = _buckets(config, plan, stage)
         elements = sum(end - start for _, _, start, end in buckets)
         return [Collective("DP", "reduce-scatter", "fp32 gradients, bucketed", 4 * elements,
-                           len(buckets), ranks,
-                           overlap="backward" if layout.pp == 1 else "none"),
+                           len(buckets), ranks, overlap="backward"),
                 Collective("DP", "all-gather", "weights after the ZeRO-1 step",
                            weight * elements, len(buckets), ranks,
                            overlap="forward" if config.parallel.overlap_weight_gather

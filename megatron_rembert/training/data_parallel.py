@@ -5,9 +5,11 @@ Runs that `applies` to (ZeRO-1 in bf16 or fp32, the shipped configs) train as Me
 DistributedDataParallel + DistributedOptimizer do:
 - parallel/grad_buffer.py: fp32 main gradients in contiguous buffers (the embedding and the
   fused MLM loss add into them themselves, `summed_by_kernels`), reduce-scattered over DP in
-  buckets; with pp = 1 each bucket starts while the last micro-batch's backward goes on;
+  buckets, each starting while the last micro-batch's backward goes on (at pp > 1 too: a
+  bucket is complete once its hooks ran once per micro-batch);
 - training/distributed_optimizer.py: each DP rank steps the fp32 masters and optimizer state
-  of its shard, with clipping and the non-finite rule, then all-gathers the weights.
+  of its shard, with clipping and the non-finite rule, then all-gathers the weights, in
+  flight while the next forward runs (parallel.overlap_weight_gather).
 
 DeepSpeed stays the engine users configure (`deepspeed.initialize`, the ds_config JSON, its
 pipeline engine and schedule) and gets our optimizer as a client optimizer: `engine_settings`

@@ -223,6 +223,8 @@ class Trainer:
         self.engine.train()
         if self.pipeline:
             self.engine.module.loss_fn = step.scaled_loss  # on the last stage, per micro-batch
+            if self.owned:  # this stage's backward passes: one per micro-batch
+                self.grad_buffer.expect(self.layout.gas)
             self.engine.train_batch(data_iter=self._pipeline_items(micro_batches))
         else:
             self.forward_backward(micro_batches, step)
@@ -252,8 +254,8 @@ class Trainer:
         for i, mb in enumerate(micro_batches):
             POSITION.set(detail=f"micro-batch {i + 1}/{len(micro_batches)}")
             if self.owned:
-                if i == last:  # each bucket's reduce-scatter starts once its gradients are in
-                    self.grad_buffer.last_micro_batch()
+                if i == 0:  # each bucket's reduce-scatter starts once its gradients are in
+                    self.grad_buffer.expect(len(micro_batches))
                 loss = step.scaled_loss(self.engine(**mb))
                 with self.engine.no_sync():  # our buffers reduce, not DeepSpeed
                     self.engine.backward(loss)

@@ -1,7 +1,8 @@
 """parallel/grad_buffer.py: the buffers' layout, accumulation into `main_grad` (autograd's
 gradients by the hook, the embedding kernel's by itself), and the bucketed reduce-scatter over
-gloo ranks against the gradients of one process; the first bucket's reduce-scatter starts
-before the last backward has reached the first layer."""
+gloo ranks against the gradients of one process; told the step's number of backward passes,
+the first bucket's reduce-scatter starts during the last one, before it has reached the first
+layer, and not before; a bucket whose hooks ran fewer times waits for `finish()`."""
 
 from __future__ import annotations
 
@@ -120,8 +121,8 @@ def _reduce_worker(rank: int, world_size: int, gas: int, reduce: str, overlap: b
             del events[:]
             comm.TRAFFIC.reset()
         for i, ids in enumerate(batches(rank, gas)):
-            if i == gas - 1 and overlap:
-                buf.last_micro_batch()
+            if i == 0 and overlap:
+                buf.expect(gas)
             net(ids).backward()
             events.append(f"backward {i} ends")
         buf.finish()
@@ -197,9 +198,30 @@ def test_a_gradient_after_its_bucket_started_fails_naming_the_parameter():
     buf.name(net.unused.weight, "unused.weight")
     buf.name(net.unused.bias, "unused.bias")
     ids = batches(0, 1)[0]
-    buf.last_micro_batch()
+    buf.expect(1)
     net(ids).backward()
     buf.finish()  # `unused` got no gradient: from now on it is ready from the start
-    buf.last_micro_batch()
-    with pytest.raises(RuntimeError, match=r"unused\.(weight|bias) got a gradient in the last"):
+    buf.expect(1)
+    with pytest.raises(RuntimeError, match=r"unused\.(weight|bias) got a gradient after its"):
         (net(ids) + net.unused(torch.ones(2)).sum()).backward()
+
+
+@pytest.mark.parametrize("expected, passes", [(2, 2), (3, 2), (1, 1)])
+def test_buckets_start_once_every_expected_pass_is_in(expected, passes):
+    """One process: a bucket "starts" (nothing to send) when each of its parameters' hooks ran
+    once per expected backward pass; told of more passes than ran, every bucket waits for
+    finish(). The first step learns which parameter takes no part."""
+    net = Net()
+    buf = GradBuffer(net.parameters(), bucket_elements=1)  # a bucket per parameter
+    for _ in range(2):
+        buf.zero()
+        buf.expect(expected)
+        for ids in batches(0, passes):
+            net(ids).backward()
+        buf.finish()
+    held = buf.started_in_finish
+    # the unused linear's weight and bias (registered last: the buffer's first two buckets)
+    # are ready from the start
+    assert held == (0 if expected == passes else len(buf.buckets) - 2), held
+    with pytest.raises(ValueError, match="passes=0"):
+        buf.expect(0)

@@ -213,6 +213,7 @@ def _pipeline_worker(rank: int, world: int):
         context = _StepContext(tokens, gas)  # our DP reduction sums: no DP factor
         engine.module.loss_fn = context.scaled_loss
         set_unpadded(engine.module.forward_funcs, all(bool(mb["unpadded"]) for mb in batches))
+        buffer.expect(gas)  # as the trainer: each bucket starts in this stage's last backward
         engine.train_batch(data_iter=iter([(pipeline_inputs(mb), ()) for mb in batches]))
     return {"weights": {n: p.detach().float().clone() for n, p in named},
             "sizes": sizes, "ds_steps": engine.global_steps, "skipped": opt.skipped_steps}

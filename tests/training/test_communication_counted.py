@@ -1,7 +1,9 @@
 """`--dry-run`'s communication per step (training/communication.py) against the collectives a
 real training step makes: every torch.distributed call of one step on every rank, counted by
 wrapping torch.distributed's functions in the worker (DeepSpeed's pipeline engine and its ZeRO-1
-all-gather call them directly, not through parallel/comm.py), classified by group."""
+all-gather call them directly, not through parallel/comm.py), classified by group. Where the
+report hides the DP reduce-scatter behind the last backward (pp 1 and 2), the trainer's step
+left at most one bucket to start at the step."""
 
 from __future__ import annotations
 
@@ -93,7 +95,9 @@ def counting_worker(rank: int, world_size: int, overrides: list[str]):
                                 config.model.vocab_size)
         del calls[:]
         trainer.train_step([_widened(mb, plan.data.max_predictions) for mb in batches])
-    return list(calls), groups
+    buffer = trainer.grad_buffer  # buckets, and those the step started (not backward)
+    started = (len(buffer.buckets), buffer.started_in_finish) if buffer else None
+    return list(calls), groups, started
 
 
 def _widened(mb: dict, predictions: int) -> dict:
@@ -141,7 +145,7 @@ def test_dry_run_bytes_equal_the_counted_collectives(tp, pp, dp, recompute, laye
         "parallel.grad_bucket_elements": bucket})
     config = build_config({"model": {"preset": "tiny"}}, overrides)
     results = run_distributed(counting_worker, tp * pp * dp, overrides, timeout=500)
-    for rank, (calls, groups) in enumerate(results):
+    for rank, (calls, groups, started) in enumerate(results):
         plan = RunPlan.build(config, tp * pp * dp, rank)
         for kind in groups:  # the report's groups are the trainer's
             assert group_ranks(plan.layout, rank, kind) == groups[kind], (rank, kind)
@@ -152,6 +156,12 @@ def test_dry_run_bytes_equal_the_counted_collectives(tp, pp, dp, recompute, laye
             predicted_calls[c.group, c.op] += c.calls
             predicted_bytes[c.group, c.op] += c.buffer_bytes
         assert counted_bytes.keys() == predicted_bytes.keys(), rank
+        if dp > 1:  # the reduce-scatters the report hides behind the last backward start there
+            scatter = [c for c in step_collectives(config, plan, stage)
+                       if c.op == "reduce-scatter"]
+            assert [c.overlap for c in scatter] == ["backward"]
+            buckets, at_step = started
+            assert buckets == scatter[0].calls and at_step <= 1, (rank, started)
         for key, nbytes in predicted_bytes.items():
             assert counted_calls[key] == predicted_calls[key], (rank, key)
             assert counted_bytes[key] == nbytes, (rank, key)

@@ -64,10 +64,10 @@ def _tokens(batches: list[dict]) -> float:
 
 def step_losses(model, buffer, batches: list[dict], tokens, poison: bool = False):
     """Each micro-batch's loss over the step's masked tokens, ready for backward, the gradient
-    buffer armed before the last one's; `poison`: multiplied by NaN."""
+    buffer told the step's number of backward passes; `poison`: multiplied by NaN."""
     for i, mb in enumerate(batches):
-        if i == len(batches) - 1:
-            buffer.last_micro_batch()
+        if i == 0:
+            buffer.expect(len(batches))
         loss = model(**mb).loss_sum / tokens
         yield loss * float("nan") if poison else loss
 
