@@ -66,14 +66,15 @@ def group_rank(group=None) -> int:
 # Bytes each rank sends per byte of buffer, ring algorithms (a bandwidth-only model, as
 # training/communication.py's): an all-reduce is a reduce-scatter plus an all-gather.
 def _wire_factor(op: str, n: int) -> float:
-    return (2 if op == "all-reduce" else 1) * (n - 1) / n
+    return (2 if op == "all-reduce" else 1) * (n - 1) / n  # all-to-all: keeps 1/n of it
 
 
 @dataclass
 class Traffic:
     """What this rank's tensor collectives moved since `reset`, per operation ("all-reduce",
-    "reduce-scatter", "all-gather"): calls, buffer bytes (the reduced buffer, the whole
-    gathered tensor) and bytes on the wire (what a ring sends from this rank)."""
+    "reduce-scatter", "all-gather", "all-to-all"): calls, buffer bytes (the reduced buffer,
+    the whole gathered tensor, the tensor sent) and bytes on the wire (what a ring sends from
+    this rank; an all-to-all sends all but its own 1/n)."""
 
     calls: Counter = field(default_factory=Counter)
     buffer_bytes: Counter = field(default_factory=Counter)
@@ -127,6 +128,33 @@ def all_gather_into(output: torch.Tensor, input: torch.Tensor, group=None,
     # torch >= 2.10 names it all_gather_single (all_gather_into_tensor warns, deprecated)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return gather(output, input, group=group, async_op=async_op)
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    """`input` cut into n equal chunks, chunk j sent to rank j of `group`; `output` receives
+    rank i's chunk as its chunk i. Returns the work handle when `async_op`."""
+    if not is_initialized():
+        return _one_process(output, input, async_op)
+    _on_device(output, input)
+    TRAFFIC.count("all-to-all", input, group)
+    return dist.all_to_all_single(output, input, group=group, async_op=async_op)
+
+
+class Then:
+    """The handle of an asynchronous collective followed by `then()`, run once, by the first
+    wait (for a result that needs local work after the data arrived). `keep`: the tensors the
+    collective reads or writes, held until then."""
+
+    def __init__(self, handle, then: Callable[[], object], keep: tuple = ()):
+        self.handle, self.then, self.keep = handle, then, keep
+
+    def wait(self) -> bool:
+        if self.handle is not None:
+            self.handle.wait()
+            self.handle = None
+            self.then()
+            self.keep = ()
+        return True
 
 
 def wait(handle) -> None:

@@ -31,6 +31,12 @@ ran in fewer passes than expected holds its bucket until `finish()`. `finish()` 
 is left (in the first step: the buckets of unused parameters and all after them) and waits;
 afterwards shard r of each bucket holds the sum (or mean) over the DP ranks. The rest of a
 bucket is not reduced; `zero()` clears everything for the next step.
+
+On the wire (`wire_dtype`): fp32, a reduce-scatter of the fp32 bucket; or bf16, Megatron-Core's
+reduce-scatter with fp32 accumulation: the bucket rounded to bf16 once, an all-to-all that
+brings every rank's bf16 copy of shard r to rank r, summed there in fp32 in rank order (each
+rank's gradient rounded once, the sum exact to fp32; (n-1)/n x 2 bytes per element instead
+of 4, and a bf16 copy plus a bf16 receive buffer per bucket in flight).
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from megatron_rembert.parallel import comm
 ALIGN = 64  # elements: where each parameter starts, and the unit of a bucket's padding
 DEFAULT_BUCKET_ELEMENTS = 40_000_000  # Megatron-Core's default bucket size
 REDUCE_OPS = ("sum", "mean")
+WIRE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def lay_out(sizes: list[int], bucket_elements: int, dp: int
@@ -126,9 +133,13 @@ class GradBuffer:
     ranks' gradients are averaged)."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], dp_group=None,
-                 bucket_elements: int = DEFAULT_BUCKET_ELEMENTS, reduce: str = "sum"):
+                 bucket_elements: int = DEFAULT_BUCKET_ELEMENTS, reduce: str = "sum",
+                 wire_dtype: torch.dtype = torch.float32):
         if reduce not in REDUCE_OPS:
             raise ValueError(f"reduce={reduce!r}: one of {', '.join(REDUCE_OPS)}")
+        if wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"wire_dtype={wire_dtype}: one of {WIRE_DTYPES}")
+        self.wire_dtype = wire_dtype
         if bucket_elements < 1:
             raise ValueError(f"bucket_elements={bucket_elements}: must be >= 1")
         if dp_group is None:
@@ -255,8 +266,19 @@ class GradBuffer:
         if self.dp == 1:
             return
         lo, hi = bucket.shard_range(self.dp_rank, self.dp)
-        bucket.handle = comm.reduce_scatter(bucket.grads[lo:hi], bucket.grads, self.dp_group,
-                                            async_op=True)
+        shard = bucket.grads[lo:hi]
+        if self.wire_dtype == torch.float32:
+            bucket.handle = comm.reduce_scatter(shard, bucket.grads, self.dp_group,
+                                                async_op=True)
+            return
+        sent = bucket.grads.to(self.wire_dtype)
+        received = torch.empty_like(sent)  # chunk i: rank i's copy of this rank's shard
+
+        def add_up() -> None:
+            torch.sum(received.view(self.dp, -1), dim=0, dtype=torch.float32, out=shard)
+
+        work = comm.all_to_all(received, sent, self.dp_group, async_op=True)
+        bucket.handle = comm.Then(work, add_up, keep=(sent, received))
 
     def finish(self) -> None:
         """Start what has not started, in order, and wait for every bucket: this rank's

@@ -81,6 +81,12 @@ def check_paths(config: Config) -> None:
             raise ConfigError(f"{key}={text}: {reason}; point {key} at a writable folder")
 
 
+def owns_gradient_path(config: Config) -> bool:
+    """Whether a run's DP gradients take our path (training/data_parallel.py): ZeRO-1 in bf16
+    or fp32; fp16 (its loss scale) and ZeRO-2 keep DeepSpeed's own."""
+    return config.parallel.zero_stage == 1 and config.train.precision in ("bf16", "fp32")
+
+
 def check_config(config: Config) -> DataPlan:
     """Every check that needs neither the world size nor the file system: ranges and
     choices, whether the model can be built at parallel.tp x parallel.pp, the settings that
@@ -103,6 +109,11 @@ def check_config(config: Config) -> DataPlan:
         raise ConfigError(f"train.precision={train.precision} needs parallel.zero_stage=1 or 2 "
                           "(DeepSpeed keeps fp32 master weights, gradients and a correct loss "
                           "scale only in its ZeRO optimizers); zero_stage=0 is for fp32")
+    if par.grad_reduce_dtype != "fp32" and not owns_gradient_path(config):
+        raise ConfigError(f"parallel.grad_reduce_dtype={par.grad_reduce_dtype} needs our "
+                          "gradient path (parallel.zero_stage=1 with train.precision bf16 or "
+                          f"fp32); this run has zero_stage={par.zero_stage}, precision="
+                          f"{train.precision} (DeepSpeed's own reduction): set it to fp32")
     if train.fp8:
         check_fp8(config)
     if config.eval.retrieval_path:

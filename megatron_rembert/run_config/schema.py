@@ -42,6 +42,12 @@ class ParallelConfig:
         40_000_000,
         help=("elements per gradient bucket (ZeRO-1 in bf16/fp32): each bucket's DP "
               "reduce-scatter starts as soon as backward has produced its gradients"))
+    grad_reduce_dtype: str = setting(
+        "fp32",
+        help=("ZeRO-1 in bf16/fp32: what the DP gradient reduction sends: fp32 (a "
+              "reduce-scatter), or bf16 summed in fp32 on arrival (an all-to-all: 4 instead of "
+              "6 bytes per parameter on the wire per step, each rank's gradient rounded to "
+              "bf16 once; 4 bytes per parameter of transient buffers)"))
     overlap_weight_gather: bool = setting(
         True,
         help=("ZeRO-1 in bf16/fp32: the step returns with the weights' DP all-gather in "
@@ -263,6 +269,7 @@ RANGES: dict[str, Range] = {
 CHOICES: dict[str, tuple] = {
     **{f"model.{name}": allowed for name, allowed in MODEL_CHOICES.items()},
     "parallel.backend": ("auto", "nccl", "gloo"),
+    "parallel.grad_reduce_dtype": ("fp32", "bf16"),
     "data.mask_schedule": ("step", "linear"),
     "optim.name": ("adamw", "lamb"),
     "optim.decay": ("linear", "cosine", "1-sqrt", "constant"),

@@ -7,6 +7,7 @@ training step against them.
 Bytes on the wire per rank (a bandwidth-only model: no latency term):
     ring all-reduce of a B-byte buffer over n ranks     2(n-1)/n x B sent (and as many received)
     all-gather into / reduce-scatter of a B-byte buffer  (n-1)/n x B
+    all-to-all of a B-byte buffer                        (n-1)/n x B (1/n stays on the rank)
     send or receive of a B-byte message                  B
 A group whose ranks are not all on one node runs at the inter-node bandwidth; ranks fill nodes
 in order (rank // gpus_per_node is the node), as torchrun and SLURM place them.
@@ -18,12 +19,13 @@ What overlaps compute (the rest is exposed: bytes / bandwidth adds to the step):
   compute instructions: exposed, both directions.
 - DP, path "reduce_scatter" (ZeRO-1 in bf16 or fp32: training/data_parallel.py): the fp32
   gradients reduce-scattered bucket by bucket (parallel/grad_buffer.py's layout, one call per
-  bucket), during the last micro-batch's backward on this rank (at pp > 1 the stage's last
+  bucket; with parallel.grad_reduce_dtype=bf16 an all-to-all of each bucket's bf16 copy
+  instead), during the last micro-batch's backward on this rank (at pp > 1 the stage's last
   backward of the schedule), hidden up to that backward's compute time (two thirds of the
-  stage's FLOPs of one micro-batch). The weights' all-gather after the step, bucket by bucket: with parallel.overlap_weight_gather
-  (the default) in flight while the next step's first forward runs, each layer waiting for its
-  own bucket, hidden up to that forward's compute time (a third of the stage's FLOPs of one
-  micro-batch); without it, exposed.
+  stage's FLOPs of one micro-batch). The weights' all-gather after the step, bucket by
+  bucket: with parallel.overlap_weight_gather (the default) in flight while the next step's
+  first forward runs, each layer waiting for its own bucket, hidden up to that forward's
+  compute time (a third of the stage's FLOPs of one micro-batch); without it, exposed.
 - DP, path "deepspeed" (fp16, ZeRO-2, fp32 without ZeRO: DeepSpeed's own reduction): an
   estimate of the same shape that no test checks.
 """
@@ -72,7 +74,7 @@ class Collective:
     """Calls of one kind a rank makes per optimizer step."""
 
     group: str  # "TP", "PP" or "DP"
-    op: str  # "all-reduce", "all-gather", "reduce-scatter", "send", "recv"
+    op: str  # "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "send", "recv"
     what: str
     buffer_bytes: int  # summed over the calls: the buffer reduced, the whole gathered tensor,
     # or the message sent or received
@@ -95,7 +97,7 @@ def wire_factor(op: str, n: int) -> float:
     """Bytes on the wire per rank per byte of buffer (see the module docstring)."""
     if op == "all-reduce":
         return 2 * (n - 1) / n
-    if op in ("all-gather", "reduce-scatter"):
+    if op in ("all-gather", "reduce-scatter", "all-to-all"):
         return (n - 1) / n
     if op in ("send", "recv"):
         return 1.0
@@ -192,8 +194,12 @@ def _dp(config: Config, plan: RunPlan, stage: int, rank: int, path: str) -> list
     if path == "reduce_scatter":
         buckets = _buckets(config, plan, stage)
         elements = sum(end - start for _, _, start, end in buckets)
-        return [Collective("DP", "reduce-scatter", "fp32 gradients, bucketed", 4 * elements,
-                           len(buckets), ranks, overlap="backward"),
+        reduce = (Collective("DP", "reduce-scatter", "fp32 gradients, bucketed", 4 * elements,
+                             len(buckets), ranks, overlap="backward")
+                  if config.parallel.grad_reduce_dtype == "fp32" else
+                  Collective("DP", "all-to-all", "bf16 gradients, bucketed, summed in fp32",
+                             2 * elements, len(buckets), ranks, overlap="backward"))
+        return [reduce,
                 Collective("DP", "all-gather", "weights after the ZeRO-1 step",
                            weight * elements, len(buckets), ranks,
                            overlap="forward" if config.parallel.overlap_weight_gather

@@ -48,7 +48,9 @@ def _bytes_per_parameter(config: Config, layout: Layout) -> dict[str, float]:
 
     - parameters: the training precision (one flat buffer: ours, or DeepSpeed's per group).
     - gradients: on the main-gradient path (ZeRO-1 in bf16 or fp32, training/data_parallel.py)
-      one fp32 buffer, autograd's gradients freed parameter by parameter as they are added.
+      one fp32 buffer, autograd's gradients freed parameter by parameter as they are added
+      (with parallel.grad_reduce_dtype=bf16 at dp > 1, 4 bytes more: the buckets' bf16 copies
+      and receive buffers).
       Otherwise the training precision, plus an fp32 accumulation buffer for fp16/bf16
       (DeepSpeed's ZeRO gradient-accumulation attribute); whole up to ZeRO-1, sharded over DP
       by ZeRO-2.
@@ -65,7 +67,10 @@ def _bytes_per_parameter(config: Config, layout: Layout) -> dict[str, float]:
     half = weight == 2
     optimizer_dp = dp if zero >= 1 else 1
     if data_parallel.applies(config):
-        return {"parameters": weight, "gradients": 4,
+        # bf16 on the wire: each bucket's bf16 copy and receive buffer, all in flight at the
+        # end of backward at worst
+        wire = 4 if config.parallel.grad_reduce_dtype == "bf16" and dp > 1 else 0
+        return {"parameters": weight, "gradients": 4 + wire,
                 "optimizer_states": ((4 if half else 0) + 8) / optimizer_dp,
                 "optimizer_step": 0}
     return {"parameters": weight,

@@ -42,10 +42,11 @@ def batches(rank: int, count: int, rows: int = 3) -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (rows, 5), generator=g) for _ in range(count)]
 
 
-def reference_grads(dp: int, gas: int) -> dict[str, torch.Tensor]:
-    """Summed over every rank's micro-batches, in one process, by plain autograd."""
+def reference_grads(dp: int, gas: int, ranks=None) -> dict[str, torch.Tensor]:
+    """Summed over every rank's micro-batches (or those of `ranks`), in one process, by plain
+    autograd."""
     net = Net()
-    for rank in range(dp):
+    for rank in range(dp) if ranks is None else ranks:
         for ids in batches(rank, gas):
             net(ids).backward()
     return {n: (p.grad if p.grad is not None else torch.zeros_like(p))
@@ -99,20 +100,24 @@ def test_bad_settings():
         GradBuffer(Net().parameters(), bucket_elements=0)
 
 
-def _reduce_worker(rank: int, world_size: int, gas: int, reduce: str, overlap: bool):
+def _reduce_worker(rank: int, world_size: int, gas: int, reduce: str, overlap: bool,
+                   wire_dtype=torch.float32):
     from megatron_rembert.parallel import comm
 
     net = Net()
     buf = GradBuffer(net.parameters(), dp_group=torch.distributed.group.WORLD,
-                     bucket_elements=WIDTH * WIDTH + WIDTH, reduce=reduce)
+                     bucket_elements=WIDTH * WIDTH + WIDTH, reduce=reduce,
+                     wire_dtype=wire_dtype)
     events: list[str] = []
     start = comm.reduce_scatter
 
-    def recorded(output, input, group=None, async_op=False):
+    def recorded(output, input, group=None, async_op=False, _start=start):
         events.append(f"reduce-scatter {len(events)}")
-        return start(output, input, group, async_op)
+        return _start(output, input, group, async_op)
 
     comm.reduce_scatter = recorded
+    comm.all_to_all = lambda output, input, group=None, async_op=False, _a2a=comm.all_to_all: \
+        recorded(output, input, group, async_op, _start=_a2a)
     first = net.layers[0].weight  # the last gradient autograd computes among the linears
     first.register_post_accumulate_grad_hook(lambda p: events.append("first layer's gradient"))
     for step in range(2):  # the first step learns which parameter takes no part
@@ -225,3 +230,28 @@ def test_buckets_start_once_every_expected_pass_is_in(expected, passes):
     assert held == (0 if expected == passes else len(buf.buckets) - 2), held
     with pytest.raises(ValueError, match="passes=0"):
         buf.expect(0)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("dp", [2, 4])
+def test_bf16_on_the_wire_is_each_ranks_gradient_rounded_once_and_summed_in_fp32(dp):
+    """wire_dtype=bf16: every reduced element is the fp32 sum of the ranks' gradients each
+    rounded to bf16 once (so within 2^-8 of the sum of their magnitudes from the fp32 sum),
+    for (n-1)/n x 2 bytes per element on the wire; and not the fp32 result (the control)."""
+    gas = 2
+    per_rank = [reference_grads(dp, gas, ranks=[r]) for r in range(dp)]
+    results = run_distributed(_reduce_worker, dp, gas, "sum", True, torch.bfloat16)
+    fp32 = run_distributed(_reduce_worker, dp, gas, "sum", True)
+    differs = False
+    for name, like in per_rank[0].items():
+        got = _assemble(results, name, like)
+        rounded = torch.stack([g[name].bfloat16().float() for g in per_rank]).sum(0)
+        torch.testing.assert_close(got, rounded, rtol=1e-6, atol=1e-9)
+        exact = _assemble(fp32, name, like)
+        bound = 2.0**-8 * torch.stack([g[name].abs() for g in per_rank]).sum(0)
+        assert ((got - exact).abs() <= bound + 1e-12).all(), name
+        differs |= not torch.equal(got, exact)
+    assert differs
+    for r in results:  # every bucket once, an all-to-all of its bf16 copy
+        assert r["traffic"] == {"all-to-all": r["buffer"] * 2 * (dp - 1) / dp}
+        assert r["started_in_finish"] == 0  # started during the last backward, as fp32's

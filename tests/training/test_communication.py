@@ -69,9 +69,10 @@ def test_ring_formulas():
     assert [wire_factor("all-reduce", n) for n in (1, 2, 4, 16)] == [0, 1.0, 1.5, 1.875]
     assert [wire_factor("all-gather", n) for n in (1, 2, 4)] == [0, 0.5, 0.75]
     assert wire_factor("reduce-scatter", 8) == 0.875
+    assert wire_factor("all-to-all", 4) == 0.75  # a quarter of it stays on the rank
     assert wire_factor("send", 2) == wire_factor("recv", 2) == 1.0
     with pytest.raises(ValueError, match="unknown collective"):
-        wire_factor("all-to-all", 2)
+        wire_factor("broadcast", 2)
 
 
 def _tiny(*sets: str, world: int = 8):

@@ -20,7 +20,7 @@ OPS = {"all_reduce": "all-reduce", "all_gather_into_tensor": "all-gather",
        "all_gather_single": "all-gather", "reduce_scatter_single": "reduce-scatter",
        "all_gather": "all-gather", "reduce_scatter_tensor": "reduce-scatter",
        "broadcast": "broadcast", "send": "send", "recv": "recv", "isend": "send",
-       "irecv": "recv"}
+       "irecv": "recv", "all_to_all_single": "all-to-all"}
 SCALAR_ELEMENTS = 2  # the step's token count, loss statistics, gradient norm, DeepSpeed's loss
 
 
@@ -32,6 +32,8 @@ def _bytes(name: str, args: tuple, kwargs: dict) -> tuple[int, int]:
         tensors = args[0] if args else kwargs["tensor_list"]
     elif name in ("all_gather_into_tensor", "all_gather_single"):
         tensors = [args[0] if args else kwargs["output_tensor"]]
+    elif name == "all_to_all_single":  # the tensor sent
+        tensors = [args[1] if len(args) > 1 else kwargs["input"]]
     elif name in ("reduce_scatter_tensor", "reduce_scatter_single"):
         tensors = [args[1] if len(args) > 1 else kwargs["input"]]
     else:
@@ -125,16 +127,17 @@ def _classify(calls: list, groups: dict) -> tuple[Counter, Counter, list]:
     return n, size, scalars
 
 
-@pytest.mark.parametrize("tp, pp, dp, recompute, layers, precision, bucket", [
+@pytest.mark.parametrize("tp, pp, dp, recompute, layers, precision, bucket, wire", [
     # every group, both pipeline ends, recomputation's forward all-reduces; bf16 activations
     # and weights, fp32 main gradients in buckets of 5,000 elements (several per stage): the
     # production path
-    (2, 2, 2, True, 2, "bf16", 5000),
-    (2, 3, 1, False, 3, "fp32", 40_000_000),  # a middle stage: activations and gradients
-    (1, 1, 2, False, 2, "fp32", 3000),  # pp = 1: the buckets start during backward
+    (2, 2, 2, True, 2, "bf16", 5000, "fp32"),
+    (2, 3, 1, False, 3, "fp32", 40_000_000, "fp32"),  # a middle stage: activations, gradients
+    (1, 1, 2, False, 2, "fp32", 3000, "fp32"),  # pp = 1: the buckets start during backward
+    (1, 1, 2, False, 2, "bf16", 3000, "bf16"),  # bf16 on the wire: an all-to-all per bucket
 ])
 def test_dry_run_bytes_equal_the_counted_collectives(tp, pp, dp, recompute, layers, precision,
-                                                     bucket):
+                                                     bucket, wire):
     from megatron_rembert.parallel.layout import layout_coords
     from megatron_rembert.run_config.load import build_config
     from megatron_rembert.training.communication import group_ranks, step_collectives
@@ -142,7 +145,7 @@ def test_dry_run_bytes_equal_the_counted_collectives(tp, pp, dp, recompute, laye
 
     overrides = layout_overrides(tp, pp, 1, recompute, **{
         "model.num_hidden_layers": layers, "train.precision": precision,
-        "parallel.grad_bucket_elements": bucket})
+        "parallel.grad_bucket_elements": bucket, "parallel.grad_reduce_dtype": wire})
     config = build_config({"model": {"preset": "tiny"}}, overrides)
     results = run_distributed(counting_worker, tp * pp * dp, overrides, timeout=500)
     for rank, (calls, groups, started) in enumerate(results):
@@ -158,7 +161,7 @@ def test_dry_run_bytes_equal_the_counted_collectives(tp, pp, dp, recompute, laye
         assert counted_bytes.keys() == predicted_bytes.keys(), rank
         if dp > 1:  # the reduce-scatters the report hides behind the last backward start there
             scatter = [c for c in step_collectives(config, plan, stage)
-                       if c.op == "reduce-scatter"]
+                       if c.op == ("reduce-scatter" if wire == "fp32" else "all-to-all")]
             assert [c.overlap for c in scatter] == ["backward"]
             buckets, at_step = started
             assert buckets == scatter[0].calls and at_step <= 1, (rank, started)

@@ -97,7 +97,7 @@ def _reference(optimizer: str, steps: int = STEPS, nan_step: int | None = None) 
 
 def _worker(rank: int, dp: int, optimizer: str, nan_step: int | None = None,
             dtype=torch.float32, steps: int = STEPS, resume_at: int | None = None,
-            overlap: bool = False):
+            overlap: bool = False, wire_dtype=torch.float32):
     import torch.distributed as dist
 
     from megatron_rembert.parallel import comm
@@ -107,7 +107,7 @@ def _worker(rank: int, dp: int, optimizer: str, nan_step: int | None = None,
     def build():
         model, config = _model(dtype)
         buffer = GradBuffer(model.parameters(), dp_group=dist.group.WORLD,
-                            bucket_elements=BUCKET)
+                            bucket_elements=BUCKET, wire_dtype=wire_dtype)
         opt = DistributedOptimizer(buffer, _groups(model), _make(optimizer), clip_grad=CLIP)
         if overlap:
             opt.overlap_weight_gather(model, GATHER_UNITS)
@@ -190,21 +190,25 @@ def test_equals_one_process(optimizer, dp):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("dp", [2, 4])
-def test_bytes_per_parameter(dp):
-    results = run_distributed(_worker, dp, "adamw", None, torch.bfloat16, 2, timeout=900)
+@pytest.mark.parametrize("dp, wire", [(2, "fp32"), (4, "fp32"), (2, "bf16"), (4, "bf16")])
+def test_bytes_per_parameter(dp, wire):
+    wire_dtype, sent = {"fp32": (torch.float32, 4), "bf16": (torch.bfloat16, 2)}[wire]
+    results = run_distributed(_worker, dp, "adamw", None, torch.bfloat16, 2, None, False,
+                              wire_dtype, timeout=900)
     share = (dp - 1) / dp
     replaced = share * 10  # the path this replaced: fp32 all-reduce + bf16 all-gather
+    reduce = "reduce-scatter" if wire == "fp32" else "all-to-all"
     for r in results:
         params, padding = r["params"], r["padding"]
         assert padding < 0.02 * params
         for traffic in r["traffic"]:
-            ours = (traffic["reduce-scatter"] + traffic["all-gather"]) / params
-            print(f"dp={dp}: {ours:.4f} B/param/rank on the wire (bound "
-                  f"{share * 6:.4f} + padding; the all-reduce path {replaced:.4f})")
-            # fp32 reduce-scatter and bf16 all-gather of every buffer element, nothing else
-            assert ours == pytest.approx(share * 6 * (params + padding) / params, rel=1e-12)
-            assert ours < 0.61 * replaced
+            ours = (traffic[reduce] + traffic["all-gather"]) / params
+            print(f"dp={dp}, {wire} on the wire: {ours:.4f} B/param/rank (bound "
+                  f"{share * (sent + 2):.4f} + padding; the all-reduce path {replaced:.4f})")
+            # the gradients' reduction and the bf16 all-gather of every buffer element
+            assert ours == pytest.approx(share * (sent + 2) * (params + padding) / params,
+                                         rel=1e-12)
+            assert ours < (0.61 if wire == "fp32" else 0.41) * replaced
             assert traffic["all-reduce"] <= 3 * 8  # the token count and the norm's scalars
 
 

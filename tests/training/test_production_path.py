@@ -47,6 +47,10 @@ CASES = [(js, layout) for js in JSONS for layout in LAYOUTS
 # the training precision and in fp32 (the loss then within 1e-5 of the eager run's).
 COMPILED = [("zero1_bf16.json", "gas4"), ("zero1_bf16.json", "pp2"),
             ("zero1_bf16.json", "tp2-dp2"), ("cpu_fp32.json", "tp2-dp2")]
+# parallel.grad_reduce_dtype=bf16 (each rank's gradient rounded to bf16 once, summed in fp32):
+# against the fp32 reference at the bf16 tolerance, and against the same run with fp32 on the
+# wire. bf16 training, and fp32 training, where the rounding is the only bf16 in the step.
+BF16_WIRE = [("zero1_bf16.json", "tp2-dp2"), ("cpu_fp32.json", "tp2-dp2")]
 STEPS, CONFIG_STEPS = 3, 2
 # Relative tolerances: loss, gradient norm, distance moved and first moment per parameter.
 TOLERANCE = {"fp32": (1e-5, 1e-4, 1e-4), "fp16": (2e-4, 1e-3, 2e-2), "bf16": (1e-3, 1e-2, 5e-2)}
@@ -112,6 +116,12 @@ def json_runs(tiny_dataset, tmp_path_factory):
                      "train.precision": precision, "parallel.tp": tp, "parallel.pp": pp})
         planned[f"{js}/{layout}"] = Planned(ROOT / "configs" / "tiny.yaml", as_sets(sets),
                                             tp * pp * dp, precision)
+        if (js, layout) in BF16_WIRE:
+            wire = {**sets, "train.save_dir": tmp / js / layout / "wire" / "checkpoints",
+                    "train.log_dir": tmp / js / layout / "wire" / "logs",
+                    "parallel.grad_reduce_dtype": "bf16"}
+            planned[f"{js}/{layout}/wire"] = Planned(ROOT / "configs" / "tiny.yaml",
+                                                     as_sets(wire), tp * pp * dp, precision)
         if (js, layout) in COMPILED:  # model.compile: torch.compile'd layers, same checks
             sets = {**sets, "train.save_dir": tmp / js / layout / "compiled" / "checkpoints",
                     "train.log_dir": tmp / js / layout / "compiled" / "logs",
@@ -173,6 +183,16 @@ def test_compiled_layers_train_like_plain_torch(js, layout, json_runs):
     compiled, eager = runs.get(f"{js}/{layout}/compiled"), runs.get(f"{js}/{layout}")
     check_against_reference(compiled, reference, JSONS[js][0])
     assert compiled.losses == pytest.approx(eager.losses, rel=TOLERANCE[JSONS[js][0]][0])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("js, layout", BF16_WIRE, ids=[f"{j}-{la}" for j, la in BF16_WIRE])
+def test_bf16_on_the_wire_trains_within_bf16_tolerance(js, layout, json_runs):
+    runs, reference = json_runs
+    wire, fp32_wire = runs.get(f"{js}/{layout}/wire"), runs.get(f"{js}/{layout}")
+    check_against_reference(wire, reference, "bf16")
+    assert wire.losses == pytest.approx(fp32_wire.losses, rel=TOLERANCE["bf16"][0])
+    assert wire.grad_norms != fp32_wire.grad_norms  # the control: the rounding happened
 
 
 @pytest.mark.multiprocess
