@@ -22,11 +22,10 @@ tensor, merged from the writer's TP shards and cut for this rank (`specs.merge_s
 `specs.shard`, vocabulary padding stripped and zero-filled). A range that no file covers is an
 error naming the parameter.
 
-This is the first part of the checkpoint the trainer will write once it steps our optimizer
-(the issue "Own the data-parallel gradient path"); the trainer does not write it yet.
-tests/checkpoint/test_optimizer_shards.py changes DP and TP sizes between save and resume; a
-PP change (the names are global, every stage's files are read) is untested until the trainer
-writes it.
+On the trainer's production path these files are the checkpoint's tensors (the masters are
+the weights of record; training/checkpoint.py). tests/checkpoint/test_optimizer_shards.py
+changes DP and TP sizes between save and resume; tests/convert/test_every_checkpoint.py and
+tests/training/test_layouts.py resume the trainer's at other TP, PP and DP sizes.
 """
 
 from __future__ import annotations

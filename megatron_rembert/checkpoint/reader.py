@@ -1,16 +1,21 @@
 """Reading a checkpoint tensor by tensor, whatever its layout.
 
-Two kinds of `step_XXXXXXXX/` folders are read:
-- DeepSpeed's files as the trainer saves them (pp = 1: `mp_rank_{tp}_model_states.pt` with the
-  TP shard under `module`, and at ZeRO stage 0 the torch optimizer's state under `optimizer`;
-  pp > 1: `layer_{idx}-model_{tp}-model_states.pt` per pipeline layer), with the optimizer
-  state either in our distributed optimizer's shard files (the production path: meta.json's
-  `optimizer_format`, checkpoint/optimizer_shards.py) or, from DeepSpeed's own optimizers,
-  in its ZeRO-1/2 partitions `zero_pp_rank_{dp}_mp_rank_{pp*tp+tp}_optim_states.pt` (named
-  with a `bf16_` prefix when the run trained in bf16);
+Three kinds of `step_XXXXXXXX/` folders are read:
+- ours, as the trainer saves them on its production path (ZeRO-1 in bf16 or fp32; meta.json's
+  `deepspeed_files` is false): our distributed optimizer's shard files only
+  (checkpoint/optimizer_shards.py: fp32 masters and moments, per rank, by global name and
+  element range), the LR schedule in meta.json. The masters are the weights of record; the
+  weights as trained are them rounded to the training precision;
+- DeepSpeed's files (fp16, ZeRO-2, fp32 without ZeRO, and the production path's checkpoints
+  written before 2026-12-07; pp = 1: `mp_rank_{tp}_model_states.pt` with the TP shard under
+  `module`, and at ZeRO stage 0 the torch optimizer's state under `optimizer`; pp > 1:
+  `layer_{idx}-model_{tp}-model_states.pt` per pipeline layer), with the optimizer state either
+  in our shard files (meta.json's `optimizer_format`) or, from DeepSpeed's own optimizers, in
+  its ZeRO-1/2 partitions `zero_pp_rank_{dp}_mp_rank_{pp*tp+tp}_optim_states.pt` (named with a
+  `bf16_` prefix when the run trained in bf16);
 - the portable format (portable.py): full tensors per pipeline layer.
 
-Both give full (TP-merged) tensors with the vocabulary padding stripped, one at a time; files
+All give full (TP-merged) tensors with the vocabulary padding stripped, one at a time; files
 are memory-mapped, so the peak memory is about one full tensor. The folder is checked against
 its manifest before any file is opened, and every pickle is loaded with `weights_only=True`.
 
@@ -43,9 +48,10 @@ from megatron_rembert.checkpoint.specs import (
     pipe_name,
     shard,
 )
-from megatron_rembert.checkpoint.step_folder import StepFolder, verify
+from megatron_rembert.checkpoint.step_folder import DEEPSPEED_FILES, StepFolder, verify
 from megatron_rembert.config import ConfigError, ModelConfig, get_preset
 
+TRAINING_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # DeepSpeed's ZeRO optimizer files (runtime/engine.py: `_get_rank_zero_ckpt_name`): a `bf16_`
 # prefix whenever the run trained in bf16 (BF16_Optimizer at ZeRO-1, ZeRO-2 too).
 ZERO_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
@@ -84,6 +90,9 @@ class CheckpointReader:
         # our distributed optimizer's shard files (optimizer_shards.py), opened when first read
         self.shard_files = self.meta.get("optimizer_format") == optimizer_shards.FORMAT
         self._shards: optimizer_shards.SavedShards | None = None
+        # our optimizer's path since 2026-12-07: its shard files and meta.json only (the
+        # masters are the weights; the weights as trained are those rounded to the precision)
+        self.deepspeed_files = bool(self.meta.get(DEEPSPEED_FILES, True)) and not self.portable
         self._plain = not self.portable and not self.shard_files and self.zero_stage == 0
         self._allowed = deepspeed_safe_globals() if not self.portable else []
         self._portable = PortableReader(self.folder) if self.portable else None
@@ -117,6 +126,8 @@ class CheckpointReader:
         model's parameters before converting."""
         if self._portable is not None:
             return {(t.name, 0): t for t in self._portable.stored()}
+        if not self.deepspeed_files:  # the masters' fragments (`stored_optimizer`)
+            return {}
         found, layers = {}, self.model.num_hidden_layers
         if self.pp == 1:
             for path in sorted(self.folder.glob("mp_rank_*_model_states.pt")):
@@ -150,6 +161,8 @@ class CheckpointReader:
         """The dtype `full_weight` returns, read without merging (or touching) the tensor."""
         if self._portable is not None:
             return self._portable.dtype(spec.name)
+        if not self.deepspeed_files:
+            return TRAINING_DTYPES[self.meta["config"]["train"]["precision"]]
         return self._weight_shard(spec, 0).dtype
 
     def _own(self, spec: ParamSpec) -> ParamSpec:
@@ -163,6 +176,8 @@ class CheckpointReader:
         """The model weight as training holds it (its dtype), full, vocabulary stripped."""
         if self._portable is not None:
             return self._portable.full(spec.name)
+        if not self.deepspeed_files:  # the module weights are the masters rounded
+            return self.full_state(spec, "fp32").to(self.weight_dtype(spec))
         spec = self._own(spec)
         return merge_shards([self._weight_shard(spec, r) for r in range(self.tp)], spec)
 
@@ -340,10 +355,11 @@ class CheckpointReader:
             return dict(self.meta["optimizer"])
         if self.shard_files:
             saved = self._saved_shards().meta
-            states = self._load(self.folder / "mp_rank_00_model_states.pt")
+            schedule = (self._load(self.folder / "mp_rank_00_model_states.pt").get(
+                "lr_scheduler") if self.deepspeed_files else self.meta.get("lr_scheduler"))
             inner = float(saved["inner_step"])
             return {"steps": [inner, inner],  # the two groups of training/optim.py
-                    "lr_scheduler": states.get("lr_scheduler"),
+                    "lr_scheduler": schedule,
                     "skipped_steps": int(saved["skipped_steps"]), "loss_scale": 1.0}
         if self._optim_index is None:
             self._optim_index = self._index_optimizer()

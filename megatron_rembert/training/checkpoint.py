@@ -1,20 +1,22 @@
-"""Saving the trainer's state into, and loading it from, the DeepSpeed engine.
+"""Saving the trainer's state into, and loading it from, a step folder.
 
 The folder protocol (`complete`, `latest`, meta.json, manifest.json, pruning) is
 megatron_rembert/checkpoint/step_folder.py, and what a resume decides before the model is built
 (how a checkpoint loads at this layout, what changes) is checkpoint/resume.py; this module is
-what needs the engine. Each step folder holds DeepSpeed's per-rank files plus
-`rng/rank_XXXXX.pt` (each rank's dropout RNG states). Every file DeepSpeed writes goes through
-`GuardedCheckpointEngine`, which hashes it right after writing (each rank its own files, in
-parallel) and reads only with `torch.load(weights_only=True)`: a pickle that carries code is
-refused, never run, even in a checkpoint that predates manifests.
+what needs the engine. Each step folder holds the optimizer's files plus `rng/rank_XXXXX.pt`
+(each rank's dropout RNG states).
 
-On the production path (our distributed optimizer, training/data_parallel.py) DeepSpeed's
-files hold the weights as trained, the LR schedule and the counters, and every rank writes its
-own optimizer fragments (fp32 masters, moments) into `optim_tp*_pp*_dp*.safetensors`
-(checkpoint/optimizer_shards.py; meta.json says `optimizer_format`). A resume at any TP x PP x
-DP reads those: the masters are the weights of record, so DeepSpeed's model files are not
-needed for it.
+On the production path (our distributed optimizer, training/data_parallel.py) those are ours
+only: every rank writes its optimizer fragments (fp32 masters, moments) into
+`optim_tp*_pp*_dp*.safetensors` (checkpoint/optimizer_shards.py; meta.json says
+`optimizer_format`, `deepspeed_files: false` and holds the LR schedule). The masters are the
+weights of record, so no module file is written; a resume at any TP x PP x DP reads them, and
+the all-gather that follows gives every rank its weights.
+
+On DeepSpeed's own path (fp16, ZeRO-2, fp32 without ZeRO) `engine.save_checkpoint` writes its
+files, each through `GuardedCheckpointEngine`, which hashes it right after writing (each rank
+its own files, in parallel) and reads only with `torch.load(weights_only=True)`: a pickle that
+carries code is refused, never run, even in a checkpoint that predates manifests.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from megatron_rembert.checkpoint.reader import CheckpointReader
 from megatron_rembert.checkpoint.specs import ParamSpec
 from megatron_rembert.checkpoint.step_folder import (
     COMPLETE,
+    DEEPSPEED_FILES,
     LATEST,
     StepFolder,
     clear_save_paths,
@@ -269,8 +272,10 @@ def save_checkpoint(engine, save_dir: str | Path, step: int, consumed_samples: i
     save_dir = Path(save_dir)
     folder = save_dir / step_tag(step)
     owned = isinstance(engine.optimizer, DistributedOptimizer)
-    if owned:
-        meta = {**meta, "optimizer_format": optimizer_shards.FORMAT}
+    if owned:  # our files only: the optimizer shards (the masters are the weights of record)
+        schedule = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
+        meta = {**meta, "optimizer_format": optimizer_shards.FORMAT, DEEPSPEED_FILES: False,
+                "lr_scheduler": schedule}
         engine.optimizer.wait_for_weights()  # the step may have left their all-gather in flight
     if not background:
         check_weights(engine.module.parameters(), step, max_weight_abs, save_dir)
@@ -299,16 +304,18 @@ def save_checkpoint(engine, save_dir: str | Path, step: int, consumed_samples: i
                 shutil.rmtree(folder, ignore_errors=True)  # the partial folder of a failed save
             raise
 
-    def collect() -> None:  # DeepSpeed's states (copied in the background case), RNG states
-        with comm.agree_or_raise(OSError, failure):
-            engine.save_checkpoint(str(save_dir), tag=folder.name, save_latest=False,
-                                   client_state={"step": step,
-                                                 "consumed_samples": consumed_samples})
-            if guard.failed is not None:  # held through DeepSpeed's barriers
-                raise guard.failed
+    def collect() -> None:  # our optimizer's shard or DeepSpeed's states (copied in the
+        # background case), RNG states
         if owned:
             guard.shards = optimizer_shards.collect(engine.optimizer, _specs(engine, meta),
                                                     copy=background, **_where())
+        else:
+            with comm.agree_or_raise(OSError, failure):
+                engine.save_checkpoint(str(save_dir), tag=folder.name, save_latest=False,
+                                       client_state={"step": step,
+                                                     "consumed_samples": consumed_samples})
+                if guard.failed is not None:  # held through DeepSpeed's barriers
+                    raise guard.failed
         rng = tp_random.get_rng_states()
         guard.files.append((str(folder / "rng" / f"rank_{comm.rank():05d}.pt"),
                             snapshot(rng) if background else rng))
@@ -336,9 +343,11 @@ def save_checkpoint(engine, save_dir: str | Path, step: int, consumed_samples: i
 
     removing_a_partial_folder(collect)
     if background:
-        # The weights as saved: their storages were copied with DeepSpeed's states (the memo
-        # finds them); a rank whose files do not hold them (ZeRO's dp ranks > 0) copies them.
-        weights = snapshot([p.detach() for p in engine.module.parameters()], guard.memo)
+        # The weights as saved: our optimizer's are the host copies of this rank's masters;
+        # DeepSpeed's storages were copied with its states (the memo finds them), and a rank
+        # whose files do not hold them (ZeRO's dp ranks > 0) copies them.
+        weights = ([t for key, t in guard.shards.items if key.startswith("master/")] if owned
+                   else snapshot([p.detach() for p in engine.module.parameters()], guard.memo))
         guard.pending = PendingSave(folder, written)
         return guard.pending
     written()

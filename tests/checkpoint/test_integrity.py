@@ -28,7 +28,8 @@ def test_manifest_lists_every_file_as_saved(damaged):
     on_disk = sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
                      if p.is_file() and p.name not in ("manifest.json", "complete"))
     assert sorted(files) == on_disk
-    assert OPTIM_FILE in files and "rng/rank_00000.pt" in files
+    # the production path's folder: our optimizer shard, the RNG states, no DeepSpeed file
+    assert sorted(files) == ["meta.json", OPTIM_FILE, "rng/rank_00000.pt"], files
     for name, record in files.items():
         assert record == {"size": (folder / name).stat().st_size,
                           "sha256": sha256_file(folder / name)}, name
@@ -37,10 +38,13 @@ def test_manifest_lists_every_file_as_saved(damaged):
 def test_code_carrying_pickles_never_run(damaged):
     root, out = damaged
     assert out["old_step"] == 1  # a checkpoint from before manifests still loads
-    # Without a manifest the guarded load refuses it; with one, the hash does first.
+    assert "mp_rank_00_model_states.pt" in out["ds_files"]  # DeepSpeed's own path's files
+    # Without a manifest the guarded load refuses it; with one, the hash does first; with a
+    # manifest made to agree, the guarded load again.
     assert "mp_rank_00_model_states.pt: refused to load" in out["old_evil_model"]
     assert f"{OPTIM_FILE}: " in out["new_evil_optim"]
     assert "manifest.json" in out["new_evil_optim"]
+    assert "rank_00000.pt: refused to load" in out["new_evil_rng"], out["new_evil_rng"]
     assert not list(root.glob("*.ran"))  # nothing ran
     assert "mp_rank_00_model_states.pt: unreadable" in out["old_truncated"]
 

@@ -45,6 +45,7 @@ def _error(fn) -> str:
 
 # The optimizer's file of a one-rank run on the production path (checkpoint/optimizer_shards.py)
 OPTIM_FILE = "optim_tp00_pp000_dp000.safetensors"
+RNG_FILE = "rng/rank_00000.pt"
 
 
 def integrity_worker(rank, world_size, root: str) -> dict:
@@ -76,18 +77,48 @@ def integrity_worker(rank, world_size, root: str) -> dict:
                                             how="same")
 
     out = {"good": str(good)}
-    old = _copy(good, root, "old", old_format=True)
-    out["old_step"] = ckpt.load_checkpoint(trainer.engine, StepFolder.open(old),
+    folder = _copy(good, root, "new_evil_optim")
+    torch.save({"payload": Evil(str(root / "new_evil_optim.ran"))}, folder / OPTIM_FILE)
+    out["new_evil_optim"] = _error(load(folder))
+    folder = _copy(good, root, "new_evil_rng")  # our folder's one pickle: the RNG states
+    torch.save({"payload": Evil(str(root / "new_evil_rng.ran"))}, folder / RNG_FILE)
+    with open(folder / "manifest.json", "r+") as f:  # the manifest made to agree with it
+        import json
+
+        from megatron_rembert.fs import sha256_file
+        manifest = json.load(f)
+        manifest["files"][RNG_FILE] = {"size": (folder / RNG_FILE).stat().st_size,
+                                       "sha256": sha256_file(folder / RNG_FILE)}
+        f.seek(0), f.truncate(), json.dump(manifest, f)
+    out["new_evil_rng"] = _error(load(folder))
+
+    # A checkpoint from before manifests: DeepSpeed's files, as the fp32 path without ZeRO
+    # (and every path before 2026-12-07) writes them
+    ds_trainer = Trainer(build_config({"model": {"preset": "tiny"}}, overrides(1, 1, 0)),
+                         plan, torch.device("cpu"))
+    ds_trainer.train_step(micro_batches(0, GLOBAL_BATCH, MICRO, 0, 1, config.model.vocab_size))
+    ds_good = ckpt.save_checkpoint(ds_trainer.engine, root / "ds_run", 1, GLOBAL_BATCH,
+                                   {**meta, "config": {**meta["config"], "parallel": {
+                                       **meta["config"]["parallel"], "zero_stage": 0}}},
+                                   keep_last=5)
+
+    def ds_load(folder):
+        return lambda: ckpt.load_checkpoint(ds_trainer.engine, StepFolder.open(folder),
+                                            how="same")
+
+    out["ds_files"] = sorted(p.name for p in ds_good.glob("*.pt"))
+    old = _copy(ds_good, root, "old", old_format=True)
+    out["old_step"] = ckpt.load_checkpoint(ds_trainer.engine, StepFolder.open(old),
                                            how="same").step
-    for name, old_format, file in (("old_evil_model", True, "mp_rank_00_model_states.pt"),
-                                   ("new_evil_optim", False, OPTIM_FILE)):
-        folder = _copy(good, root, name, old_format)
-        torch.save({"payload": Evil(str(root / f"{name}.ran"))}, folder / file)
-        out[name] = _error(load(folder))
-    truncated = _copy(good, root, "old_truncated", old_format=True)
+    folder = _copy(ds_good, root, "old_evil_model", True)
+    torch.save({"payload": Evil(str(root / "old_evil_model.ran"))},
+               folder / "mp_rank_00_model_states.pt")
+    out["old_evil_model"] = _error(ds_load(folder))
+    truncated = _copy(ds_good, root, "old_truncated", old_format=True)
     model_file = truncated / "mp_rank_00_model_states.pt"
     model_file.write_bytes(model_file.read_bytes()[: model_file.stat().st_size // 2])
-    out["old_truncated"] = _error(load(truncated))
+    out["old_truncated"] = _error(ds_load(truncated))
+    del ds_trainer
 
     real_save = torch.save
 

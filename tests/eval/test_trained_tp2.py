@@ -1,5 +1,6 @@
-"""A checkpoint trained by the trainer at tp 2 (DeepSpeed's TP-sharded files) and its
-`rembert-convert to-hf` export give the same figures."""
+"""A checkpoint trained by the trainer at tp 2 (the production path's files: each rank's
+optimizer shard, whose fp32 masters are the weights) and its `rembert-convert to-hf` export
+give the same figures."""
 
 from pathlib import Path
 
@@ -23,9 +24,9 @@ def _train(rank, world_size, sets):
 @pytest.mark.parametrize("tied", [False, True])
 def test_tp2_checkpoint_and_its_hf_export_agree(tmp_path, corpus_and_tokenizer, parallel,
                                                 capsys, tied):
-    """tied: a coupled model (E_in = E_out, one table), whose DeepSpeed file holds the table
-    under both module names. Untied, the command also runs in its own process, where reading
-    DeepSpeed's files prints no "Setting accelerator to CPU" warning."""
+    """tied: a coupled model (E_in = E_out, one table, saved once). Untied, the command also
+    runs in its own process, where reading the checkpoint prints no "Setting accelerator to
+    CPU" warning."""
     pytest.importorskip("tokenizers")
     from megatron_rembert.convert.__main__ import main as convert
     from megatron_rembert.prep.preprocess import PreprocessConfig, preprocess
@@ -43,13 +44,15 @@ def test_tp2_checkpoint_and_its_hf_export_agree(tmp_path, corpus_and_tokenizer, 
         sets |= {"model.tie_embeddings": "true", "model.output_embedding_size": 16}
     steps = run_distributed(_train, 2, [f"{k}={v}" for k, v in sets.items()], timeout=400)
     assert steps == [3, 3]
-    assert sorted(p.name for p in (tmp_path / "ckpt" / "step_00000003").glob("mp_rank_*")) == [
-        "mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"]
+    folder = tmp_path / "ckpt" / "step_00000003"
+    assert sorted(p.name for p in folder.glob("*.safetensors")) == [
+        "optim_tp00_pp000_dp000.safetensors", "optim_tp01_pp000_dp000.safetensors"]
+    assert not list(folder.glob("*model_states.pt"))
     train, test = classification(tmp_path / "cls", corpus, False, 40, 20)
     args = ["--parallel", str(parallel), "--classify-train", str(train), "--classify-test",
             str(test), "--seeds", "1", "--epochs", "1", "--lr", "1e-3"]
     ours = run(["--checkpoint", str(tmp_path / "ckpt"), *args], tmp_path, capsys)
-    if not tied:  # the command itself, reading DeepSpeed's files: no accelerator warning
+    if not tied:  # the command itself, reading the checkpoint: no accelerator warning
         done = run_command(["--checkpoint", str(tmp_path / "ckpt"), "--parallel",
                             str(parallel), "--skip-classify", "--quiet"], tmp_path)
         assert done.returncode == 0 and "Retrieval accuracy@1" in done.stdout, done.stderr
