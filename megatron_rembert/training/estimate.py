@@ -89,18 +89,20 @@ def _transient_copy(config: Config, layout: Layout) -> list[float]:
       tp 2). On the main-gradient path autograd's gradient, in the training precision, lives
       until its hook has added it; the embeddings' gradients are added by their kernels and
       never exist whole. Without ZeRO gradients accumulate in place;
-    - at pp > 1, the layer's weights: DeepSpeed's pipeline engine saves a checkpoint one layer
-      at a time, each cloned to host memory first, and loads it one layer file at a time (on a
-      GPU that copy is in host memory: counted anyway, a bound)."""
+    - at pp > 1 on DeepSpeed's own path, the layer's weights: its pipeline engine saves a
+      checkpoint one layer at a time, each cloned to host memory first, and loads it one layer
+      file at a time (on a GPU that copy is in host memory: counted anyway, a bound). Our
+      path writes and reads its optimizer shards in place (training/checkpoint.py)."""
     weight = _weight_bytes(config)
-    if data_parallel.applies(config):
+    owned = data_parallel.applies(config)
+    if owned:
         skip, per_element = data_parallel.summed_by_kernels(config.model), weight
     else:
         skip, per_element = (), 4 if config.parallel.zero_stage >= 1 else 0
     fresh = [0.0] * (config.model.num_hidden_layers + 2)
     saved = [0.0] * len(fresh)
     for param in parameter_table(config.model, layout.tp):
-        saved[param.layer] += weight * param.local if layout.pp > 1 else 0.0
+        saved[param.layer] += weight * param.local if layout.pp > 1 and not owned else 0.0
         if not param.name.endswith(skip):
             fresh[param.layer] = max(fresh[param.layer], per_element * param.local)
     return [max(a, b) for a, b in zip(fresh, saved, strict=True)]
