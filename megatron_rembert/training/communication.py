@@ -49,8 +49,9 @@ from megatron_rembert.training.plan import RunPlan
 
 # How the DP gradients are reduced: the path a run takes is `dp_path(config)`.
 DP_PATHS = {
-    "reduce_scatter": "fp32 reduce-scatter in buckets (during the last backward), then the "
-                      "weights' all-gather (during the next forward)",
+    "reduce_scatter": "our buckets, reduced over DP during the last backward (fp32 "
+                      "reduce-scatter, or parallel.grad_reduce_dtype=bf16's all-to-all), then "
+                      "the weights' all-gather (during the next forward)",
     "deepspeed": "DeepSpeed's own reduction (estimate)",
 }
 # training/optim.py's parameter groups (with and without weight decay): DeepSpeed keeps one
