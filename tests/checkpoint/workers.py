@@ -139,3 +139,55 @@ def integrity_worker(rank, world_size, root: str) -> dict:
     out["non_finite"] = _error(lambda: ckpt.save_checkpoint(
         trainer.engine, save_dir, 3, 3 * GLOBAL_BATCH, meta, keep_last=5))
     return out
+
+
+def precision_change_worker(rank, world_size, root: str, saved: str, resumed: str) -> dict:
+    """Train 2 steps in precision `saved` at dp `world_size`, save; a trainer in precision
+    `resumed` (same layout) loads that folder without a conversion: its masters, moments and
+    weights against the saving trainer's."""
+    import deepspeed
+
+    from megatron_rembert.checkpoint import resume
+    from megatron_rembert.checkpoint.step_folder import StepFolder
+    from megatron_rembert.parallel import state
+    from megatron_rembert.run_config.load import build_config
+    from megatron_rembert.training import checkpoint as ckpt
+    from megatron_rembert.training.engine import Trainer
+    from megatron_rembert.training.plan import RunPlan
+    from tests.training.production import _masters_and_momentum
+
+    deepspeed.init_distributed(dist_backend="gloo")
+
+    def trainer(precision: str):
+        js = {"fp32": "cpu_fp32.json", "bf16": "zero1_bf16.json"}[precision]
+        config = build_config({"model": {"preset": "tiny"}}, overrides(1, 1, 1) + [
+            f"train.precision={precision}", f"parallel.ds_config=ds_configs/{js}"])
+        plan = RunPlan.build(config, world_size, rank)
+        state.initialize_model_parallel(plan.layout)
+        return Trainer(config, plan, torch.device("cpu")), config, plan
+
+    first, config, plan = trainer(saved)
+    for step in range(2):
+        first.train_step(micro_batches(step, GLOBAL_BATCH, MICRO, plan.layout.dp_rank,
+                                       plan.layout.dp, config.model.vocab_size))
+    meta = {"config": config.to_dict(), "tokenizer_sha256": None,
+            "layout": plan.layout.sizes()}
+    folder = ckpt.save_checkpoint(first.engine, Path(root) / "run", 2, 2 * GLOBAL_BATCH, meta,
+                                  keep_last=2)
+    masters, moments = _masters_and_momentum(first)
+    del first
+    second, _, plan2 = trainer(resumed)
+    step_folder = StepFolder.open(folder)
+    how = resume.check_layout(step_folder, plan2.layout)
+    ckpt.load_checkpoint(second.engine, step_folder, how)
+    second.wait_for_weights()
+    masters2, moments2 = _masters_and_momentum(second)
+    weights = {n: p.detach() for n, p in second.engine.module.named_parameters()}
+    return {"how": how, "dtypes": sorted({str(p.dtype) for p in weights.values()}),
+            "masters": all(torch.equal(masters[n], masters2[n]) for n in masters),
+            "moments": all(torch.equal(moments[n], moments2[n]) for n in moments),
+            "weights": all(torch.equal(weights[n], masters[n].to(weights[n].dtype))
+                           for n in masters),
+            "lr": second.scheduler.get_last_lr() == [g["lr"] for g in
+                                                     second.optimizer.param_groups],
+            "names": len(masters) == len(weights)}
