@@ -292,7 +292,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         frags = self.all_fragments()
         moments, remaining = [], iter(states)
         for f, tensors in zip(frags, remaining, strict=False):  # the count is checked below
-            f.master.copy_(tensors["master"])
+            if tensors["master"] is not f.master:  # a reader may have read it into place
+                f.master.copy_(tensors["master"])
             moments.append({k: v for k, v in tensors.items() if k != "master"})
         if len(moments) != len(frags) or next(remaining, None) is not None:
             raise ValueError(f"the fragment states do not match the {len(frags)} fragments")
