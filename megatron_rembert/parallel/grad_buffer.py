@@ -17,20 +17,20 @@ autograd no gradient; for every other parameter a post-accumulate-grad hook (tor
 `register_post_accumulate_grad_hook`) adds `param.grad` into `main_grad` and frees it. Autograd
 runs the hook for the kernels' parameters too (with `grad` None), after their backward.
 
-Reduction: `expect(passes)` before the first of the step's backward passes (its micro-batches
-on this rank; at pp > 1 those the pipeline schedule runs on this stage) arms it. From then on a
+Reduction: `expect(passes)` before the first of the step's backward passes (its micro-batches on
+this rank; at pp > 1 those the pipeline schedule runs on this stage) arms it. From then on a
 parameter is ready when its hook has run once per pass, and a bucket whose parameters are all
-ready starts its reduce-scatter at once, asynchronously, while the last backward goes on with earlier layers: no
-hook into the schedule is needed to know which backward is the last. Buckets start in index
-order on every rank (a bucket completed early waits for the ones before it), so the ranks issue
-the same collectives in the same order whatever order their hooks ran in. A parameter that got
-no gradient in the whole previous step (one that takes no part in the model's forward) counts
-as ready from the start, so that it holds back no bucket; should it get a gradient after its
-bucket started, the step fails naming it (that gradient would be lost). A parameter whose hook
-ran in fewer passes than expected holds its bucket until `finish()`. `finish()` starts what
-is left (in the first step: the buckets of unused parameters and all after them) and waits;
-afterwards shard r of each bucket holds the sum (or mean) over the DP ranks. The rest of a
-bucket is not reduced; `zero()` clears everything for the next step.
+ready starts its reduce-scatter at once, asynchronously, while the last backward goes on with
+earlier layers: no hook into the schedule is needed to know which backward is the last. Buckets
+start in index order on every rank (a bucket completed early waits for the ones before it), so
+the ranks issue the same collectives in the same order whatever order their hooks ran in. A
+parameter that got no gradient in the whole previous step (one that takes no part in the model's
+forward) counts as ready from the start, so that it holds back no bucket; should it get a
+gradient after its bucket started, the step fails naming it (that gradient would be lost). A
+parameter whose hook ran in fewer passes than expected holds its bucket until `finish()`.
+`finish()` starts what is left (in the first step: the buckets of unused parameters and all
+after them) and waits; afterwards shard r of each bucket holds the sum (or mean) over the DP
+ranks. The rest of a bucket is not reduced; `zero()` clears everything for the next step.
 
 On the wire (`wire_dtype`): fp32, a reduce-scatter of the fp32 bucket; or bf16, Megatron-Core's
 reduce-scatter with fp32 accumulation: the bucket rounded to bf16 once, an all-to-all that

@@ -34,7 +34,6 @@ from megatron_rembert.run_config.schema import Config
 from megatron_rembert.training.distributed_optimizer import DistributedOptimizer
 from megatron_rembert.training.optim import make_optimizer, param_groups
 
-
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # parallel.grad_reduce_dtype
 
 

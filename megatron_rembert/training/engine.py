@@ -48,7 +48,6 @@ from megatron_rembert.training.optim import build_optimizer, build_scheduler, de
 from megatron_rembert.training.plan import RunPlan
 from megatron_rembert.training.startup import STARTUP
 
-
 # The modules that wait for their own weights' all-gather before their forward
 # (parallel.overlap_weight_gather): each uses no parameter outside itself in its forward (the
 # head's tied table is its own too); the pipeline's layers are subclasses.

@@ -118,7 +118,6 @@ def integrity_worker(rank, world_size, root: str) -> dict:
     model_file = truncated / "mp_rank_00_model_states.pt"
     model_file.write_bytes(model_file.read_bytes()[: model_file.stat().st_size // 2])
     out["old_truncated"] = _error(ds_load(truncated))
-    del ds_trainer
 
     real_save = torch.save
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron_rembert.convert.__main__ import main
-from tests.convert.tampering import copy_deepspeed_step, set_dtype
+from tests.convert.tampering import copy_deepspeed_step
 from tests.convert.workers import overrides, train_worker
 from tests.distributed import run_distributed
 
