@@ -148,6 +148,7 @@ def test_check_weights_refuses_beyond_the_limit_and_names_what_latest_keeps(tmp_
 # after that step's update (what a huge learning rate does to a run whose losses stay finite
 # for a step).
 DRIVER = """
+import os
 import sys
 import torch
 from megatron_rembert import train
@@ -169,7 +170,9 @@ def step(self, batches):
 engine.Trainer.train_step = step
 code = train.main(sys.argv[1:])
 print(f"process groups left: {{torch.distributed.is_initialized()}}")
-sys.exit(code)
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(code)  # as train.console_main ends: no interpreter teardown (gloo's aborted now and then)
 """
 
 
