@@ -30,6 +30,9 @@ from megatron_rembert.fs import HashingFile
 # files of the legacy format (`_use_new_zipfile_serialization=False`) cannot be memory-mapped.
 ZIP_MAGIC = b"PK\x03\x04"
 
+# The dtypes the settings and meta.json name (train.precision, parallel.grad_reduce_dtype).
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
 # safetensors dtype names (the format's own spelling).
 ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
               torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.int8: "I8",

@@ -33,6 +33,7 @@ import torch
 
 from megatron_rembert.checkpoint import CheckpointError, optimizer_shards
 from megatron_rembert.checkpoint.files import (
+    DTYPES,
     StoredTensor,
     deepspeed_safe_globals,
     torch_load_weights,
@@ -51,7 +52,6 @@ from megatron_rembert.checkpoint.specs import (
 from megatron_rembert.checkpoint.step_folder import DEEPSPEED_FILES, StepFolder, verify
 from megatron_rembert.config import ConfigError, ModelConfig, get_preset
 
-TRAINING_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # DeepSpeed's ZeRO optimizer files (runtime/engine.py: `_get_rank_zero_ckpt_name`): a `bf16_`
 # prefix whenever the run trained in bf16 (BF16_Optimizer at ZeRO-1, ZeRO-2 too).
 ZERO_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
@@ -162,7 +162,7 @@ class CheckpointReader:
         if self._portable is not None:
             return self._portable.dtype(spec.name)
         if not self.deepspeed_files:
-            return TRAINING_DTYPES[self.meta["config"]["train"]["precision"]]
+            return DTYPES[self.meta["config"]["train"]["precision"]]
         return self._weight_shard(spec, 0).dtype
 
     def _own(self, spec: ParamSpec) -> ParamSpec:

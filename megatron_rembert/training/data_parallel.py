@@ -28,13 +28,12 @@ from __future__ import annotations
 
 import torch
 
+from megatron_rembert.checkpoint.files import DTYPES
 from megatron_rembert.parallel.grad_buffer import GradBuffer
 from megatron_rembert.run_config.checks import owns_gradient_path
 from megatron_rembert.run_config.schema import Config
 from megatron_rembert.training.distributed_optimizer import DistributedOptimizer
 from megatron_rembert.training.optim import make_optimizer, param_groups
-
-WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # parallel.grad_reduce_dtype
 
 
 def applies(config: Config) -> bool:
@@ -70,7 +69,7 @@ def build(named_params: list[tuple[str, torch.nn.Parameter]], config: Config
     the device) and the distributed optimizer over them."""
     params = [p for _, p in named_params]
     buffer = GradBuffer(params, bucket_elements=config.parallel.grad_bucket_elements,
-                        wire_dtype=WIRE_DTYPES[config.parallel.grad_reduce_dtype])
+                        wire_dtype=DTYPES[config.parallel.grad_reduce_dtype])
     for name, p in named_params:
         if p.requires_grad:
             buffer.name(p, name)

@@ -52,7 +52,7 @@ def integrity_worker(rank, world_size, root: str) -> dict:
     """Train one step at tp = pp = dp = 1 (ZeRO-1), save it, then load damaged copies."""
     import deepspeed
 
-    from megatron_rembert.checkpoint.step_folder import StepFolder
+    from megatron_rembert.checkpoint.step_folder import StepFolder, write_manifest
     from megatron_rembert.parallel import state
     from megatron_rembert.run_config.load import build_config
     from megatron_rembert.training import checkpoint as ckpt
@@ -82,14 +82,7 @@ def integrity_worker(rank, world_size, root: str) -> dict:
     out["new_evil_optim"] = _error(load(folder))
     folder = _copy(good, root, "new_evil_rng")  # our folder's one pickle: the RNG states
     torch.save({"payload": Evil(str(root / "new_evil_rng.ran"))}, folder / RNG_FILE)
-    with open(folder / "manifest.json", "r+") as f:  # the manifest made to agree with it
-        import json
-
-        from megatron_rembert.fs import sha256_file
-        manifest = json.load(f)
-        manifest["files"][RNG_FILE] = {"size": (folder / RNG_FILE).stat().st_size,
-                                       "sha256": sha256_file(folder / RNG_FILE)}
-        f.seek(0), f.truncate(), json.dump(manifest, f)
+    write_manifest(folder, {})  # the manifest made to agree with it
     out["new_evil_rng"] = _error(load(folder))
 
     # A checkpoint from before manifests: DeepSpeed's files, as the fp32 path without ZeRO
