@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from bench.common import CHECKPOINT_TINY_ARGS, checkpoint_meta, checkpoint_parser, write_json
+from megatron_rembert.train import end_process_groups, exit_now
 
 TINY_ARGS = CHECKPOINT_TINY_ARGS
 
@@ -74,3 +75,5 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    end_process_groups()
+    exit_now(0)  # as train.py ends: not through the interpreter's teardown of gloo

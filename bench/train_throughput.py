@@ -47,6 +47,7 @@ from megatron_rembert.config import ModelConfig, get_preset
 from megatron_rembert.launch_env import LaunchEnv, launch_env, publish
 from megatron_rembert.model.rembert import RemBertForPreTraining
 from megatron_rembert.model.sizes import flops_per_token
+from megatron_rembert.train import end_process_groups, exit_now
 
 ROOT = Path(__file__).resolve().parents[1]
 # The smallest run (seconds, CPU): the trainer against the bare model, tiny preset, one step
@@ -138,7 +139,9 @@ def deepspeed_step_time(config: ModelConfig, batches: list[dict]) -> float:
     plan = RunPlan.build(run, 1)  # one process, one micro-batch per step
     state.initialize_model_parallel(plan.layout)
     trainer = Trainer(run, plan, device=torch.device("cpu"))
-    return timed(lambda batch: trainer.train_step([batch]), batches, lambda: None)
+    seconds = timed(lambda batch: trainer.train_step([batch]), batches, lambda: None)
+    trainer.wait_for_weights()  # the last step's all-gather (parallel.overlap_weight_gather)
+    return seconds
 
 
 def bare_step_time(config: ModelConfig, dtype: torch.dtype, mixed: bool,
@@ -246,6 +249,7 @@ def engine_comparison(config: ModelConfig, precision: str, micro: int, seq: int,
                                             "memory_gib": memory_gib(device)},
                         "sync_debug": (micro_batches_sync_check(trainer, batches[0])
                                        if device.type == "cuda" else None)})
+        trainer.wait_for_weights()  # the last step's all-gather, before the next Trainer
         del trainer
         gc.collect()
     return results
@@ -368,6 +372,7 @@ def trainer_throughput(preset: str, micro: int, gas: int, seq: int, steps: int) 
                for step in range(steps + 1)]  # on the host, as the loader delivers them
     sync = device_sync(device)
     tokens_per_s = micro * gas * seq / timed(trainer.train_step, batches, sync)
+    trainer.wait_for_weights()  # the last step's all-gather (parallel.overlap_weight_gather)
     tflops = flops_per_token(config.model, seq)["training"] * tokens_per_s / 1e12
     peak = peak_flops(device)
     estimate = memory_estimate(plan.stages)
@@ -484,3 +489,5 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    end_process_groups()
+    exit_now(0)  # as train.py ends: not through the interpreter's teardown of gloo

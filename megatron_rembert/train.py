@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import NoReturn
 
 # The standard library and the stop handler's module only (it imports nothing else): main()
 # installs the handler before any other import of this package, torch's or DeepSpeed's.
@@ -134,9 +135,9 @@ def _main(argv: list[str] | None, stop: StopFlag) -> int:
         # Every rank raises it at the same agreed step, with no collective in flight: its
         # process groups can end as on a finished run (left to the interpreter's teardown,
         # about one such run in a dozen was killed by SIGABRT after its error line).
-        _end_process_groups()
+        end_process_groups()
         raise
-    _end_process_groups()
+    end_process_groups()
     if not summary.get("stopped") and launch.rank == 0:
         print(f"done at step {summary['step']}; checkpoints in {summary['save_dir']}, "
               f"metrics in {summary['log_dir']}/metrics.jsonl; "
@@ -154,13 +155,19 @@ def console_main(argv: list[str] | None = None) -> None:
     ("terminate called without an active exception", exit 134) after ending cleanly, which a
     scheduler reads as a failure. An unexpected exception (a bug) still ends the usual way,
     with its traceback."""
-    code = main(argv)
+    exit_now(main(argv))
+
+
+def exit_now(code: int) -> NoReturn:
+    """End this process with `code` at once, its output flushed, without the interpreter's
+    teardown (see `console_main`). For every program that ran process groups: train.py and the
+    benches."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
 
 
-def _end_process_groups() -> None:
+def end_process_groups() -> None:
     """torch's documented end of a rank, done, stopped or diverged: its process groups are
     destroyed while everything they use still exists. Left to the interpreter's teardown, a
     rank that stopped during start-up once aborted after its clean stop ("terminate called

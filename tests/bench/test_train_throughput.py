@@ -49,7 +49,10 @@ def test_trainer_branch_runs_on_cpu():
 
     code = ("import json\n"
             "from bench import train_throughput as tt\n"
-            "print(json.dumps(tt.trainer_throughput('tiny', micro=2, gas=2, seq=32, steps=2)))")
+            "from megatron_rembert.train import end_process_groups, exit_now\n"
+            "print(json.dumps(tt.trainer_throughput('tiny', micro=2, gas=2, seq=32, steps=2)))\n"
+            "end_process_groups()\n"
+            "exit_now(0)\n")  # as the bench's main ends
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
