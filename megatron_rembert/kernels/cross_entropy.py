@@ -246,23 +246,34 @@ def _grad_logits(s: _Saved, rows: slice, cols: slice) -> torch.Tensor:
     return dlogits
 
 
-def upcast_products(device: torch.device) -> bool:
-    """Whether a reduced-precision product summed in fp32 is an fp32 GEMM of upcast operands
-    (CPU) or the operands' own GEMM added in fp32 (GPU); see _add_product_."""
-    return device.type == "cpu"
+# Rows of a reduced-precision product made at once before it is added in fp32, on CPU: a
+# 1024 x 1664 bf16 piece (3.3 MB) is added while it is still in cache. Measured per 20,000 x
+# 1664 block of 307 rows (AMX CPU, bf16): 27.5 ms, against 58 ms for an fp32 GEMM of the
+# upcast operands and 71 ms for the whole bf16 product then the add.
+CPU_PRODUCT_ROWS = 1024
 
 
-def _add_product_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, upcast: bool) -> None:
+def product_rows(device: torch.device) -> int | None:
+    """Rows per piece of a reduced-precision product summed in fp32 (see _add_product_): on
+    CPU a piece that stays in cache; on a GPU the whole product (None)."""
+    return CPU_PRODUCT_ROWS if device.type == "cpu" else None
+
+
+def _add_product_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                  piece_rows: int | None) -> None:
     """out += a @ b, `out` fp32 or of the operands' dtype. A reduced-precision product summed
-    in fp32: on CPU an fp32 GEMM of the upcast operands (a's C rows are few; converting a
-    Vb x E product costs 4x that GEMM on a 20k x 1664 block of 76 rows); on a GPU the
-    tensor-core GEMM's product, rounded once to the operands' dtype, added in fp32."""
+    in fp32: the operands' own GEMM (which accumulates in fp32), rounded once to their dtype
+    and added in fp32, on every device; on CPU `piece_rows` rows at a time."""
     if out.dtype == a.dtype:
         out.addmm_(a, b)
-    elif upcast:
-        out.addmm_(a.float(), b.float())
-    else:
-        out += a @ b
+        return
+    step = piece_rows or a.shape[0]
+    piece = torch.empty(min(step, a.shape[0]), b.shape[1], dtype=a.dtype, device=a.device)
+    for r0 in range(0, a.shape[0], step):
+        rows = slice(r0, min(r0 + step, a.shape[0]))
+        product = piece[:rows.stop - r0]
+        torch.mm(a[rows], b, out=product)
+        out[rows] += product
 
 
 def _backward_tiles(s: _Saved, tiling: Tiling, need: tuple[bool, bool, bool]
@@ -280,7 +291,7 @@ def _backward_tiles(s: _Saved, tiling: Tiling, need: tuple[bool, bool, bool]
     (n, e), v_local, keep = s.h.shape, s.weight.shape[0], s.kept.shape[0]
     f32 = dict(dtype=torch.float32, device=s.h.device)
     exact = s.h.dtype == torch.float32  # fp32 products need no separate fp32 sum
-    upcast = upcast_products(s.h.device)
+    piece_rows = product_rows(s.h.device)
     grad_h = torch.zeros(n, e, **f32) if need[0] else None  # N x E, over blocks
     into_w, into_b = s.into_weight, s.into_bias  # main gradients: fp32 sums of their own
     grad_w = torch.empty_like(s.weight) if need[1] and into_w is None else None  # V_local x E
@@ -307,7 +318,7 @@ def _backward_tiles(s: _Saved, tiling: Tiling, need: tuple[bool, bool, bool]
                 if i == 0 and grad_w is not None and direct:
                     torch.mm(dlogits.t(), s.h[rows], out=sum_w)  # Vb x E, first product
                 else:
-                    _add_product_(sum_w, dlogits.t(), s.h[rows], upcast)
+                    _add_product_(sum_w, dlogits.t(), s.h[rows], piece_rows)
             if grad_b is not None:
                 grad_b[cols] += dlogits.sum(dim=0, dtype=torch.float32)  # Vb
         if grad_w is not None and not direct:

@@ -42,13 +42,13 @@ def _into_run(inp: dict, backend: str, chunk: int | None, keep: float, passes: i
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("chunk, keep", [(None, 0.0), (10, 0.0), (10, 1.0)],
                          ids=["one-chunk", "chunks", "chunks-kept"])
-@pytest.mark.parametrize("upcast", [True, False], ids=["cpu-rule", "gpu-rule"])
-def test_main_grads_hold_the_returned_gradients(backend, dtype, chunk, keep, upcast,
+@pytest.mark.parametrize("piece_rows", [16, None], ids=["pieces", "whole-product"])
+def test_main_grads_hold_the_returned_gradients(backend, dtype, chunk, keep, piece_rows,
                                                 monkeypatch):
     monkeypatch.setattr(tiles, "CHUNK_ELEMENTS", 64 * E)  # 64-row vocabulary blocks: 5 blocks
-    # both ways of summing reduced-precision products in fp32 (upcast operands on CPU, the
-    # rounded product on a GPU), each on CPU
-    monkeypatch.setattr(ce, "upcast_products", lambda device: upcast)
+    # a reduced-precision product added in fp32 in pieces (the CPU rule; 16 rows: 4 pieces of
+    # a block, the last block 16 + 16 + 12) and whole (the GPU rule), each on CPU
+    monkeypatch.setattr(ce, "product_rows", lambda device: piece_rows)
     inp = make_inputs(N, E, V, N_VALID, dtype, bias=True, seed=3)
     _, _, (_, grad_w, grad_b) = run_ours(inp, N_VALID, backend, chunk, keep_logits_gib=keep)
     grad_h, into_w, into_b, w_grad, b_grad = _into_run(inp, backend, chunk, keep)
@@ -99,3 +99,25 @@ def test_main_grads_of_the_wrong_kind_are_refused():
         ce.linear_cross_entropy(inp["hidden"], inp["weight"], inp["bias"], inp["targets"],
                                 inp["weights"], vocab_start=0, n_valid=N_VALID,
                                 main_grads=(torch.zeros(V, E, dtype=torch.bfloat16), None))
+
+
+@pytest.mark.parametrize("piece_rows", [7, 1024, None], ids=["uneven-pieces", "one-piece",
+                                                             "whole"])
+def test_a_bf16_product_is_added_in_fp32_once_rounded(piece_rows):
+    """_add_product_ into fp32: out + (a @ b) with the product rounded once to bf16 (within
+    its rounding of the exact fp32 product), every row, any piece size; a.t() as the loss
+    passes dlogits.t()."""
+    g = torch.Generator().manual_seed(5)
+    dlogits = torch.randn(23, 40, generator=g).bfloat16()  # C x Vb
+    h = torch.randn(23, 12, generator=g).bfloat16()  # C x E
+    out0 = torch.randn(40, 12, generator=g)
+    out = out0.clone()
+    ce._add_product_(out, dlogits.t(), h, piece_rows)
+    exact = dlogits.t().double() @ h.double()
+    # one bf16 rounding of the product (half a unit: 2^-8 relative), the GEMM's fp32
+    # accumulation over C rows and the fp32 add
+    magnitudes = dlogits.t().double().abs() @ h.double().abs()
+    bound = (exact.abs() * 2.0**-8 * 1.001 + magnitudes * 23 * 2.0**-24
+             + (out0.double().abs() + exact.abs()) * 2.0**-23)
+    assert ((out.double() - out0.double() - exact).abs() <= bound).all()
+    assert not torch.equal(out, out0 + exact.float())  # rounded, not the fp32 product
