@@ -2,8 +2,8 @@
 
 One process (gloo), a scaled RemBERT (default 24M parameters, fp32, ZeRO-1: about 190 MiB per
 checkpoint; --hidden/--layers/--vocab scale it), saved into a temporary folder:
-  plain   DeepSpeed's own TorchCheckpointEngine + the RNG file: what saving cost before
-          manifests (nothing hashed)
+  plain   the same optimizer shard written by safetensors' own `save_file` + the RNG file:
+          the bytes of a save, nothing hashed, fsynced or committed
   synced  plain, then every file fsynced: what durability alone costs
   hashed  training/checkpoint.save_checkpoint: every file fsynced and hashed right after it
           is written (from the page cache, by the rank that wrote it), the manifest,
@@ -37,9 +37,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     import torch
-    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+    from safetensors.torch import save_file
 
     from bench.common import checkpoint_trainer
+    from megatron_rembert.checkpoint import optimizer_shards
+    from megatron_rembert.checkpoint.specs import ParamSpec
     from megatron_rembert.checkpoint.step_folder import step_tag
     from megatron_rembert.parallel import random as tp_random
     from megatron_rembert.training import checkpoint as ckpt
@@ -50,13 +52,17 @@ def main(argv: list[str] | None = None) -> None:
     meta = checkpoint_meta(config)
     root = Path(args.dir or tempfile.mkdtemp(prefix="checkpoint_hash."))
 
+    specs = {id(p): ParamSpec.of(n, p, config.model.num_hidden_layers)
+             for n, p in engine.module.named_parameters()}
+    trainer.wait_for_weights()
+
     def plain(i: int) -> None:
-        engine.checkpoint_engine = TorchCheckpointEngine(engine._config)
-        tag = f"step_{i:08d}"
-        engine.save_checkpoint(str(root / "plain"), tag=tag, save_latest=False,
-                               client_state={"step": i, "consumed_samples": 0})
-        (root / "plain" / tag / "rng").mkdir(parents=True, exist_ok=True)
-        torch.save(tp_random.get_rng_states(), root / "plain" / tag / "rng" / "rank_00000.pt")
+        folder = root / "plain" / f"step_{i:08d}"
+        (folder / "rng").mkdir(parents=True, exist_ok=True)
+        shard = optimizer_shards.collect(engine.optimizer, specs)
+        save_file({k: t.contiguous() for k, t in shard.items}, folder / shard.name,
+                  metadata=shard.meta)
+        torch.save(tp_random.get_rng_states(), folder / "rng" / "rank_00000.pt")
 
     def synced(i: int) -> None:
         plain(i)

@@ -1,3 +1,3 @@
 """megatron-rembert: pre-training RemBERT-style encoders with decoupled embeddings."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

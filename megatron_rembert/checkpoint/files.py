@@ -157,22 +157,12 @@ def _check_safetensors_size(path: Path) -> None:
                               f"promises {8 + n + end}); copy it again")
 
 
-def deepspeed_safe_globals() -> list[type]:
-    """The classes DeepSpeed's own checkpoint bookkeeping pickles besides tensors and plain
-    data; trusted by name, so `weights_only=True` loads DeepSpeed's files."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [fragment_address, LossScaler, DynamicLossScaler, ZeroStageEnum]
-
-
 def torch_load_weights(path: str | Path, mmap: bool = True, allowed: tuple | list = (),
                        map_location: Any = "cpu") -> Any:
     """`torch.load(weights_only=True)`, memory-mapped unless the file is of the legacy
     (non-zip) format; refuses pickles that carry code.
 
-    `allowed`: extra classes trusted by name (DeepSpeed's own checkpoint bookkeeping).
+    `allowed`: extra classes trusted by name.
     """
     path = Path(path)
     if not path.is_file():

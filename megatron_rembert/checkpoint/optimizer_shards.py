@@ -73,26 +73,53 @@ class Collected:
     meta: dict[str, str]
 
 
+@dataclass
+class Piece:
+    """A run of one parameter's elements that this rank saves: `param`, the first element in
+    its flattened TP shard, how many, and its fp32 tensors by kind (`master`, the inner
+    optimizer's moments), each 1-d of `numel` elements."""
+
+    param: torch.Tensor
+    start: int
+    numel: int
+    tensors: dict[str, torch.Tensor]
+
+
 def collect(optimizer, specs: dict[int, ParamSpec], *, tp: int = 1, tp_rank: int = 0,
             pp: int = 1, pp_rank: int = 0, copy: bool = False) -> Collected:
-    """This rank's fragments and counters. `specs`: id(parameter) -> its spec (`ParamSpec.of`
-    on the model's parameters, global names). `copy`: host copies that later steps cannot
-    change (for a write in the background); otherwise the tensors may be the live masters."""
+    """This rank's fragments of our distributed optimizer and its counters. `specs`:
+    id(parameter) -> its spec (`ParamSpec.of` on the model's parameters, global names).
+    `copy`: host copies that later steps cannot change (for a write in the background);
+    otherwise the tensors may be the live masters."""
     states, inner_step = optimizer.fragment_states()
+    pieces = [Piece(f.param, f.param_start, f.numel, tensors)
+              for f, tensors in zip(optimizer.all_fragments(), states, strict=True)]
+    counters = {"steps": optimizer.steps, "skipped_steps": optimizer.skipped_steps,
+                "inner_step": inner_step}
+    return collect_pieces(pieces, specs, counters, dp=optimizer.buffer.dp,
+                          dp_rank=optimizer.buffer.dp_rank, tp=tp, tp_rank=tp_rank, pp=pp,
+                          pp_rank=pp_rank, copy=copy)
+
+
+def collect_pieces(pieces: list[Piece], specs: dict[int, ParamSpec], counters: dict[str, int],
+                   *, dp: int, dp_rank: int, tp: int, tp_rank: int, pp: int, pp_rank: int,
+                   copy: bool) -> Collected:
+    """This rank's shard file from the pieces it saves, whichever optimizer holds them (ours,
+    or DeepSpeed's on its own path: training/deepspeed_shards.py). `counters`: steps,
+    skipped_steps, inner_step."""
     items, shapes = [], {}
-    for f, tensors in zip(optimizer.all_fragments(), states, strict=True):
-        spec = specs.get(id(f.param))
+    for piece in pieces:
+        spec = specs.get(id(piece.param))
         if spec is None:
-            raise CheckpointError(f"a parameter of shape {tuple(f.param.shape)} has no spec "
-                                  "(give every model parameter)")
-        shapes[spec.name] = list(f.param.shape)
-        span = f"{f.param_start}:{f.param_start + f.numel}"
+            raise CheckpointError(f"a parameter of shape {tuple(piece.param.shape)} has no "
+                                  "spec (give every model parameter)")
+        shapes[spec.name] = list(piece.param.shape)
+        span = f"{piece.start}:{piece.start + piece.numel}"
         items += [(f"{kind}/{spec.name}@{span}",
                    t.detach().to("cpu", torch.float32, copy=True) if copy else t.detach().float())
-                  for kind, t in tensors.items()]
-    dp, dp_rank = optimizer.buffer.dp, optimizer.buffer.dp_rank
-    meta = {"format": FORMAT, "steps": str(optimizer.steps),
-            "skipped_steps": str(optimizer.skipped_steps), "inner_step": str(inner_step),
+                  for kind, t in piece.tensors.items()]
+    meta = {"format": FORMAT, **{k: str(int(counters[k])) for k in
+                                 ("steps", "skipped_steps", "inner_step")},
             "layout": json.dumps({"tp": tp, "pp": pp, "dp": dp}), "shapes": json.dumps(shapes)}
     return Collected(shard_file(tp_rank, pp_rank, dp_rank), items, meta)
 

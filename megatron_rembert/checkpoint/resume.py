@@ -14,7 +14,7 @@ import copy
 from collections.abc import Callable
 
 from megatron_rembert.checkpoint import CheckpointError
-from megatron_rembert.checkpoint.portable import is_portable
+from megatron_rembert.checkpoint.reader import check_format
 from megatron_rembert.checkpoint.step_folder import StepFolder
 from megatron_rembert.config import EXECUTION_FIELDS
 from megatron_rembert.model.cost import layer_parameters
@@ -34,8 +34,9 @@ def check_resume(step: StepFolder, config: Config, meta_now: dict, layout: Layou
                  lr_schedule: LRSchedule) -> tuple[str, list[str]]:
     """Everything a resume of `step` checks before the model is built. `meta_now`: the
     meta.json this run writes (its model, tokenizer and dataset hashes, stage boundaries).
-    Returns how the checkpoint loads ('same', 'deepspeed' or 'full': `check_layout`) and what
-    changes, one line each, for rank 0 to print."""
+    Returns how the checkpoint loads ('same' or 'full': `check_layout`) and what changes, one
+    line each, for rank 0 to print."""
+    check_format(step)
     check_same_run(step, config, meta_now)
     boundaries = meta_now["stage_boundaries"]
     saved_stages = other_stage_split(step.meta, config, layout, boundaries)
@@ -89,21 +90,14 @@ def other_stage_split(meta: dict, config: Config, layout: Layout,
 def check_layout(step: StepFolder, layout: Layout, saved_stages: list[int] | None = None
                  ) -> str:
     """How a checkpoint loads at this run's layout, decided before the model is built:
-    'same' (everything, RNG states included), 'deepspeed' (DeepSpeed's own load: only dp
-    changed and no ZeRO partitions), or 'full' (full tensors read from the saved files by
-    `CheckpointReader` and cut for this layout, fp32 masters and optimizer state included,
-    whatever the precision and ZeRO stage; the path of portable checkpoints).
+    'same' (everything, RNG states included) or 'full' (each rank reads its part of every
+    tensor, fp32 masters and optimizer state included, whatever the saved layout, precision
+    and path; RNG states start fresh).
 
     `saved_stages`: the checkpoint's pipeline split where it differs from this run's
-    (`other_stage_split`); the same layout then also loads 'full': each stage's optimizer
-    files hold the layers of the saved split (layers are named by their global index in every
-    file)."""
-    saved, tp, pp = step.meta["layout"], layout.tp, layout.pp
-    if saved == layout.sizes():
+    (`other_stage_split`); the same layout then also loads 'full'."""
+    if step.meta["layout"] == layout.sizes():
         return "same" if saved_stages is None else "full"
-    zero = int(step.meta["config"].get("parallel", {}).get("zero_stage", 0))
-    if not is_portable(step.meta) and zero == 0 and (saved.get("tp"), saved.get("pp")) == (tp, pp):
-        return "deepspeed"
     return "full"
 
 

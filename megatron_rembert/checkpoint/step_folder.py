@@ -52,8 +52,9 @@ ROLLED_BACK = "rolled_back"
 # files hold the fp32 masters, the weights of record; meta.json the LR schedule)
 DEEPSPEED_FILES = "deepspeed_files"
 STEP_NAME = re.compile(r"step_\d{8,}")  # step_tag: 8 digits or more
-# What else a save folder holds: the lock (lock.py) and the recovery scripts DeepSpeed copies
-# into it at every ZeRO save; `.tmp-*` are atomic writes in flight (or debris of a kill).
+# What else a save folder holds: the lock (lock.py) and the recovery scripts DeepSpeed copied
+# into it at every ZeRO save before 2026-12-07; `.tmp-*` are atomic writes in flight (or debris
+# of a kill).
 OWN_ENTRIES = (LATEST, ROLLED_BACK, LOCK, "zero_to_fp32.py", "zero_to_torch.py")
 # What meta.json must hold for a checkpoint to be read at all.
 META_SECTIONS = ("config", "layout", "step", "consumed_samples")
@@ -180,8 +181,8 @@ def unexpected_entries(save_dir: Path) -> list[str]:
 
 def clear_save_paths(save_dir: Path, folder: Path) -> None:
     """Before a save into `folder` (rank 0): remove what is there (a partial folder left by a
-    kill at this step; a link is unlinked, its target kept), and any link where DeepSpeed
-    copies its recovery scripts: a save never writes through a link."""
+    kill at this step; a link is unlinked, its target kept), and any link at one of the save
+    folder's own names: a save never writes through a link."""
     remove_entry(folder)
     for name in OWN_ENTRIES:
         if (Path(save_dir) / name).is_symlink():

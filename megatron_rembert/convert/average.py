@@ -73,7 +73,7 @@ def average(checkpoints: list[str], out: str, force: bool, log=print) -> Path:
     with ExitStack() as stack:  # opening verifies every file against its manifest
         readers = [stack.enter_context(CheckpointReader(i)) for i in inputs]
         for reader in readers:
-            check_checkpoint(reader, optimizer=reader.has_masters())
+            check_checkpoint(reader)
         weights = [r.master_weight for r in readers]
         specs = param_specs(readers[0].model, 1)
 

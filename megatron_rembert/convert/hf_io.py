@@ -52,7 +52,7 @@ def export_hf(checkpoint: str, out: str, tokenizer: str | None, force: bool,
     check_out_apart(out, [*checkpoint_inputs("--checkpoint", checkpoint, source.path),
                           ("--tokenizer" if tokenizer else "data.tokenizer", spm_path)])
     with CheckpointReader(source) as reader:
-        check_checkpoint(reader, optimizer=reader.has_masters())
+        check_checkpoint(reader)
         model = reader.model
         specs = param_specs(model, 1)
         kept = [s for s in specs if not (encoder_only and s.name.startswith("mlm_head."))]

@@ -39,7 +39,7 @@ def reshard(checkpoint: str, out: str, tp: int | None, pp: int | None, force: bo
         tp = reader.tp if tp is None else tp
         pp = reader.pp if pp is None else pp
         weights_only = weights_only or reader.weights_only
-        check_checkpoint(reader, optimizer=not weights_only)
+        check_checkpoint(reader)
         check_tp_pp(reader.model, tp, pp)
         specs = param_specs(reader.model, 1)
         config = copy.deepcopy(reader.meta["config"])

@@ -58,24 +58,17 @@ def check_tensors(found: Mapping[Hashable, StoredTensor],
                                f"model {model_source} describes needs {tuple(shape)}")
 
 
-def check_checkpoint(reader: CheckpointReader, optimizer: bool = False) -> None:
-    """A checkpoint's model files against its meta.json's model: every parameter's TP shard
-    (DeepSpeed's files) or full tensor and, when stored, its Adam moments (portable).
-    optimizer: also DeepSpeed's ZeRO files (what reshard and average read of them: each
-    parameter's fp32 master weight and moments, by the size of their fragments)."""
+def check_checkpoint(reader: CheckpointReader) -> None:
+    """A checkpoint's files against its meta.json's model: a portable checkpoint's full
+    tensors and, when stored, its Adam moments; the trainer's shard files' masters, by the
+    size of each parameter's fragments per TP rank (they are its weights)."""
     source = str(reader.folder / "meta.json")
     if reader.portable:
         keys = [""] if reader.weights_only else ["", "exp_avg/", "exp_avg_sq/"]
         expected = {(k + s.name, 0): s.shape for s in reader.specs for k in keys}
-    else:
-        expected = {(s.name, rank): s.local_shape(reader.tp) for s in reader.specs
-                    for rank in range(reader.tp)}
-    label = (lambda key: key[0]) if reader.portable else (
-        lambda key: f"{key[0]} (TP rank {key[1]})")
-    # our production path's folders hold no module weights: the masters are the weights
-    ours_only = not reader.portable and not reader.deepspeed_files
-    if not ours_only:
-        check_tensors(reader.stored_weights(), expected, source, label)
-    if (optimizer or ours_only) and not reader.portable:
-        sizes = {key: (math.prod(shape),) for key, shape in expected.items()}
-        check_tensors(reader.stored_optimizer(), sizes, source, label)
+        check_tensors(reader.stored_weights(), expected, source, lambda key: key[0])
+        return
+    sizes = {(s.name, rank): (math.prod(s.local_shape(reader.tp)),) for s in reader.specs
+             for rank in range(reader.tp)}
+    check_tensors(reader.stored_optimizer(), sizes, source,
+                  lambda key: f"{key[0]} (TP rank {key[1]})")

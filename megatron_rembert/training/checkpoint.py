@@ -13,10 +13,13 @@ only: every rank writes its optimizer fragments (fp32 masters, moments) into
 weights of record, so no module file is written; a resume at any TP x PP x DP reads them, and
 the all-gather that follows gives every rank its weights.
 
-On DeepSpeed's own path (fp16, ZeRO-2, fp32 without ZeRO) `engine.save_checkpoint` writes its
-files, each through `GuardedCheckpointEngine`, which hashes it right after writing (each rank
-its own files, in parallel) and reads only with `torch.load(weights_only=True)`: a pickle that
-carries code is refused, never run, even in a checkpoint that predates manifests.
+On DeepSpeed's own path (fp16, ZeRO-2, fp32 without ZeRO) the files are the same: each rank
+writes the fp32 masters and moments of its ZeRO partition (read in place, nothing gathered;
+without ZeRO, its 1/dp of each parameter), and meta.json holds the fp16 loss scaler's state.
+`engine.save_checkpoint` and `engine.load_checkpoint` are called on no path; a folder of
+DeepSpeed's files (written before 2026-12-07) is refused before the model is built
+(checkpoint/reader.py, `check_format`). The RNG files are the one pickle, read with
+`torch.load(weights_only=True)`: a pickle that carries code is refused, never run.
 """
 
 from __future__ import annotations
@@ -28,19 +31,18 @@ import math
 import os
 import shutil
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
-from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
 from megatron_rembert.checkpoint import CheckpointError, optimizer_shards
-from megatron_rembert.checkpoint.files import deepspeed_safe_globals, torch_load_weights
+from megatron_rembert.checkpoint.files import torch_load_weights
 from megatron_rembert.checkpoint.portable import PortableReader, is_portable
-from megatron_rembert.checkpoint.reader import CheckpointReader
+from megatron_rembert.checkpoint.reader import CheckpointReader, check_format
 from megatron_rembert.checkpoint.specs import ParamSpec
 from megatron_rembert.checkpoint.step_folder import (
     COMPLETE,
@@ -113,52 +115,29 @@ def snapshot(obj, memo: dict | None = None):
     return copy
 
 
-class GuardedCheckpointEngine(TorchCheckpointEngine):
-    """DeepSpeed's torch checkpoint engine: a foreground save writes and hashes each file as
-    DeepSpeed hands it over; a background save collects host copies, written afterwards by
-    `_write_files` in a thread. Loads weights only."""
+class SaveState:
+    """One rank's state of the saves of one engine: this save's files, their hashes, the
+    background write in flight, the gloo group its writer agrees over."""
 
-    def __init__(self, config_params=None):
-        super().__init__(config_params)
+    def __init__(self):
         self.records: dict[str, dict] = {}  # absolute path -> {"size", "sha256"}
         self.files: list[tuple[str, object]] = []  # (path, state) of this save, to write
-        self.shards: optimizer_shards.Collected | None = None  # our optimizer's, to write
-        self.copy = False  # snapshot each state: it is written after training goes on
-        self.memo: dict = {}  # the snapshots of one save: a storage met twice is copied once
+        self.shards: optimizer_shards.Collected | None = None  # this rank's, to write
         self.pending: PendingSave | None = None  # the background save in flight
         self.host_group = None  # the gloo group its writer agrees over (made at first use)
-        # The first failed write of this save (a full disk, a lost mount), held until
-        # DeepSpeed's save_checkpoint returns: raised inside it, it would leave this rank out
-        # of the barriers DeepSpeed's save runs between its writes, and the other ranks
-        # waiting there until the collective timeout.
+        # The first failed write of this save (a full disk, a lost mount): the rank goes on to
+        # the save's end, where every rank agrees on the outcome.
         self.failed: WriteError | None = None
 
-    def start_save(self, copy: bool = False) -> None:
+    def start_save(self) -> None:
         self.records.clear()
         self.release()
-        self.copy = copy
         self.failed = None
 
     def release(self) -> None:
         """Drops this save's states (and their host copies) once they are written."""
         self.files = []
         self.shards = None
-        self.memo = {}
-
-    def makedirs(self, path, exist_ok=False) -> None:
-        if self.failed is None:
-            try:
-                with write_errors(path):
-                    super().makedirs(path, exist_ok=exist_ok)
-            except WriteError as err:
-                self.failed = err
-
-    def save(self, state_dict, path: str) -> None:
-        if self.copy:  # written in the background: a host copy that training cannot change
-            self.files.append((path, snapshot(state_dict, self.memo)))
-        else:  # written now: DeepSpeed's pipeline clones each layer's tensors for this call,
-            # and clones held to the end of the save would add the stage's weights to its peak
-            self.write(state_dict, path)
 
     def write(self, state_dict, path: str) -> None:
         # torch.save writes a path from C++ several times faster than through a Python file
@@ -169,8 +148,7 @@ class GuardedCheckpointEngine(TorchCheckpointEngine):
         try:
             with write_errors(path):  # a full disk: torch raises a RuntimeError
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
-                torch.save(state_dict, path,
-                           _use_new_zipfile_serialization=self.zipfile_serialization)
+                torch.save(state_dict, path)
                 fd = os.open(path, os.O_RDONLY)
                 try:
                     os.fsync(fd)  # on disk before `complete` names the folder good
@@ -182,41 +160,15 @@ class GuardedCheckpointEngine(TorchCheckpointEngine):
         self.records[str(Path(path).resolve())] = {"size": os.path.getsize(path),
                                                    "sha256": sha256_file(path)}
 
-    def load(self, path: str, map_location=None):
-        return torch_load_weights(path, allowed=deepspeed_safe_globals(),
-                                  map_location=map_location or "cpu")
+
+# each engine's SaveState, kept here rather than on DeepSpeed's object
+_SAVES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _guard(engine) -> GuardedCheckpointEngine:
-    current = getattr(engine, "checkpoint_engine", None)
-    if not isinstance(current, GuardedCheckpointEngine):
-        engine.checkpoint_engine = current = GuardedCheckpointEngine(_checkpoint_settings(engine))
-        if not engine.zero_optimization():  # our optimizer, or none of DeepSpeed's ZeRO files
-            return current
-
-        # The one write DeepSpeed's save makes outside its checkpoint engine on its own ZeRO
-        # path (rank 0 copies its recovery scripts between the ZeRO files and the final
-        # barrier): held the same way.
-        def held(copy_scripts, save_path: str) -> None:
-            if current.failed is None:
-                try:
-                    with write_errors(save_path):
-                        copy_scripts(save_path)
-                except WriteError as err:
-                    current.failed = err
-
-        deepspeed_private.route_recovery_script_copy(engine, held)
-    return current
-
-
-def _checkpoint_settings(engine) -> SimpleNamespace:
-    """What DeepSpeed builds its checkpoint engine from (the `checkpoint` section's settings,
-    e.g. the file format), parsed from the config dict the engine was given (`engine.config`)
-    by DeepSpeed's own parser."""
-    from deepspeed.runtime.model_checkpointing.config import get_checkpoint_config
-
-    config = engine.config if isinstance(engine.config, dict) else {}
-    return SimpleNamespace(checkpoint_config=get_checkpoint_config(config))
+def _guard(engine) -> SaveState:
+    if engine not in _SAVES:
+        _SAVES[engine] = SaveState()
+    return _SAVES[engine]
 
 
 class PendingSave:
@@ -272,18 +224,22 @@ def save_checkpoint(engine, save_dir: str | Path, step: int, consumed_samples: i
     save_dir = Path(save_dir)
     folder = save_dir / step_tag(step)
     owned = isinstance(engine.optimizer, DistributedOptimizer)
-    if owned:  # our files only: the optimizer shards (the masters are the weights of record)
-        schedule = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
-        meta = {**meta, "optimizer_format": optimizer_shards.FORMAT, DEEPSPEED_FILES: False,
-                "lr_scheduler": schedule}
+    # our files only, on either path: the optimizer shards (the masters are the weights of
+    # record), the LR schedule and (DeepSpeed's fp16) the loss scaler in meta.json
+    schedule = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
+    meta = {**meta, "optimizer_format": optimizer_shards.FORMAT, DEEPSPEED_FILES: False,
+            "lr_scheduler": schedule}
+    if owned:
         engine.optimizer.wait_for_weights()  # the step may have left their all-gather in flight
+    elif (scaler := deepspeed_private.loss_scaler_state(engine.optimizer)) is not None:
+        meta["loss_scaler"] = scaler
     if not background:
         check_weights(engine.module.parameters(), step, max_weight_abs, save_dir)
     if comm.rank() == 0:  # a partial folder left by a kill at this step; never through a link
         clear_save_paths(save_dir, folder)
     comm.barrier()
     guard = _guard(engine)
-    guard.start_save(copy=background)
+    guard.start_save()
     if background and guard.host_group is None:
         guard.host_group = comm.new_host_group()
     host_group = guard.host_group if background else None
@@ -304,18 +260,13 @@ def save_checkpoint(engine, save_dir: str | Path, step: int, consumed_samples: i
                 shutil.rmtree(folder, ignore_errors=True)  # the partial folder of a failed save
             raise
 
-    def collect() -> None:  # our optimizer's shard or DeepSpeed's states (copied in the
-        # background case), RNG states
+    def collect() -> None:  # this rank's optimizer shard (copied in the background case),
+        # RNG states
         if owned:
             guard.shards = optimizer_shards.collect(engine.optimizer, _specs(engine, meta),
                                                     copy=background, **_where())
         else:
-            with comm.agree_or_raise(OSError, failure):
-                engine.save_checkpoint(str(save_dir), tag=folder.name, save_latest=False,
-                                       client_state={"step": step,
-                                                     "consumed_samples": consumed_samples})
-                if guard.failed is not None:  # held through DeepSpeed's barriers
-                    raise guard.failed
+            guard.shards = _deepspeed_shard(engine, meta, background)
         rng = tp_random.get_rng_states()
         guard.files.append((str(folder / "rng" / f"rank_{comm.rank():05d}.pt"),
                             snapshot(rng) if background else rng))
@@ -343,18 +294,15 @@ def save_checkpoint(engine, save_dir: str | Path, step: int, consumed_samples: i
 
     removing_a_partial_folder(collect)
     if background:
-        # The weights as saved: our optimizer's are the host copies of this rank's masters;
-        # DeepSpeed's storages were copied with its states (the memo finds them), and a rank
-        # whose files do not hold them (ZeRO's dp ranks > 0) copies them.
-        weights = ([t for key, t in guard.shards.items if key.startswith("master/")] if owned
-                   else snapshot([p.detach() for p in engine.module.parameters()], guard.memo))
+        # The weights as saved: the host copies of this rank's masters
+        weights = [t for key, t in guard.shards.items if key.startswith("master/")]
         guard.pending = PendingSave(folder, written)
         return guard.pending
     written()
     return folder
 
 
-def _write_files(guard: GuardedCheckpointEngine, folder: Path) -> None:
+def _write_files(guard: SaveState, folder: Path) -> None:
     """This rank's files of the step folder not written yet (DeepSpeed's states in the
     background, the RNG states, the optimizer shard), then its hashes."""
     for path, saved in guard.files:
@@ -373,6 +321,20 @@ def _write_files(guard: GuardedCheckpointEngine, folder: Path) -> None:
                        for p, r in guard.records.items() if Path(p).is_relative_to(root)})
 
 
+def _deepspeed_shard(engine, meta: dict, copy: bool) -> optimizer_shards.Collected:
+    """This rank's shard file on DeepSpeed's own path (fp16, ZeRO-2, fp32 without ZeRO): the
+    fp32 masters and moments of its optimizer, as ours are saved."""
+    parallel = state.get_state()
+    params = [p for _, p in local_parameters(engine.module)]
+    pieces = deepspeed_private.optimizer_pieces(engine.optimizer, params, parallel.layout.dp,
+                                                parallel.dp_rank)
+    counters = {"steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
+                "inner_step": deepspeed_private.inner_step(engine.optimizer)}
+    return optimizer_shards.collect_pieces(pieces, _specs(engine, meta), counters,
+                                           dp=parallel.layout.dp, dp_rank=parallel.dp_rank,
+                                           copy=copy, **_where())
+
+
 def _specs(engine, meta: dict) -> dict[int, ParamSpec]:
     """id(parameter) -> its spec (global names) for this rank's parameters."""
     layers = int(meta["config"]["model"]["num_hidden_layers"])
@@ -387,23 +349,23 @@ def _where() -> dict:
 
 
 def _load_owned(engine, step: StepFolder, how: str) -> None:
-    """Our distributed optimizer (any layout): from its own shard files, or from full tensors
-    (a portable checkpoint, or one of DeepSpeed's optimizers read by CheckpointReader)."""
+    """Our distributed optimizer (any layout): from the trainer's shard files (written on
+    either path), or from a portable checkpoint's full tensors."""
     folder, meta = step.path, step.meta
-    if meta.get("optimizer_format") != optimizer_shards.FORMAT:
-        if is_portable(meta):
-            with PortableReader(folder) as reader:
-                load_into_fragments(engine, reader, meta)
-            return
-        with CheckpointReader(step, verify_files=False) as reader:
-            load_into_fragments(engine, reader, {**meta, "weights_only": False,
-                                                 "optimizer": reader.optimizer_meta()})
+    if is_portable(meta):
+        with PortableReader(folder) as reader:
+            load_into_fragments(engine, reader, meta)
         return
     where = _where()
     optimizer_shards.load(engine.optimizer, _specs(engine, meta), folder, tp=where["tp"],
                           tp_rank=where["tp_rank"])
     with CheckpointReader(step, verify_files=False) as reader:
         restore_schedule(engine, meta, reader.optimizer_meta())
+    _load_rng(folder, how)
+
+
+def _load_rng(folder: Path, how: str) -> None:
+    """This rank's dropout RNG states, when it resumes at the layout that saved them."""
     rng_file = folder / "rng" / f"rank_{comm.rank():05d}.pt"
     if how == "same" and rng_file.exists():
         tp_random.set_rng_states(torch_load_weights(rng_file, mmap=False))
@@ -413,34 +375,26 @@ def load_checkpoint(engine, step: StepFolder, how: str = "same") -> ResumeState:
     """Restore model, optimizer, LR schedule, loss scaler and (same layout) RNG states.
 
     The folder is checked against its manifest before any file is opened. `how`: what
-    `checkpoint.resume.check_layout` decided ('same', 'deepspeed' or 'full'). A portable
-    checkpoint (written by `convert from-hf` or `reshard`) and, with 'full', one of ours saved
-    at another layout load as full tensors (via `CheckpointReader`): the weights, the optimizer
-    state unless weights only, no RNG states.
+    `checkpoint.resume.check_layout` decided ('same' or 'full'). Our distributed optimizer
+    reads its fragments of the shard files at any layout; DeepSpeed's own optimizers (fp16,
+    ZeRO-2, fp32 without ZeRO) load full tensors read through `CheckpointReader` (each rank
+    its TP shard of every tensor, one at a time). A portable checkpoint (written by
+    `convert from-hf` or `reshard`) loads the same way: the weights, the optimizer state unless
+    weights only, no RNG states.
     """
     folder, meta = step.path, step.meta
+    check_format(step)
     with comm.agree_or_raise(CheckpointError, lambda error, ranks: error or CheckpointError(
             f"{folder}: a file differs from its manifest.json (another rank's error names it)")):
         verify(folder, share=(comm.rank(), comm.world_size()))  # the ranks split the hashing
     resumed = ResumeState(step=int(meta["step"]), consumed_samples=int(meta["consumed_samples"]))
     if isinstance(engine.optimizer, DistributedOptimizer):
         _load_owned(engine, step, how)
-        return resumed
-    if is_portable(meta):
+    elif is_portable(meta):
         load_portable(engine, step)
-        return resumed
-    if how == "full" or meta.get("optimizer_format") == optimizer_shards.FORMAT:
+    else:
         with CheckpointReader(step, verify_files=False) as reader:
             load_full_tensors(engine, reader, {**meta, "weights_only": False,
                                                "optimizer": reader.optimizer_meta()})
-        return ResumeState(step=int(meta["step"]), consumed_samples=int(meta["consumed_samples"]))
-    _guard(engine)
-    path, client = engine.load_checkpoint(str(folder.parent), tag=folder.name,
-                                          load_optimizer_states=True,
-                                          load_lr_scheduler_states=True)
-    if path is None:
-        raise CheckpointError(f"{folder}: DeepSpeed found no model states to load")
-    rng_file = folder / "rng" / f"rank_{comm.rank():05d}.pt"
-    if how == "same" and rng_file.exists():
-        tp_random.set_rng_states(torch_load_weights(rng_file, mmap=False))
-    return ResumeState(step=client["step"], consumed_samples=client["consumed_samples"])
+        _load_rng(folder, how)
+    return resumed

@@ -1,8 +1,9 @@
 """Every private DeepSpeed name the trainer relies on, in one place, checked at start-up.
 
 DeepSpeed's public API does not reach what the trainer needs (our stage split for the pipeline,
-a hang report per pipeline instruction, the checkpoint engine's writes, and on DeepSpeed's own
-ZeRO path, fp16 and ZeRO-2, its flat fp32 partitions for LAMB and for loading full tensors), so
+a hang report per pipeline instruction, and on DeepSpeed's own ZeRO path, fp16 and ZeRO-2, its
+flat fp32 partitions for LAMB, for saving them in our checkpoint and for loading full tensors,
+and the fp16 loss scaler's state), so
 a few private attributes are used (the production path's gradients and optimizer step,
 training/data_parallel.py, go through the engine's public API only). Their behaviour is what
 DeepSpeed 0.19 does; `check_private_names` fails at start-up, naming the installed version and
@@ -14,6 +15,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
+# The dynamic loss scaler's state (fp16): its scale and where it is in its schedule
+# (runtime/fp16/loss_scaler.py); a static scaler has `cur_scale` only.
+LOSS_SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
 # class path -> the private names we use on it or its instances: methods and class attributes,
 # or instance attributes its code assigns (`self._topo = ...`). tests/training/
 # test_deepspeed_private.py derives the names the package uses from its code and checks that
@@ -22,16 +28,15 @@ PRIVATE_NAMES = {
     "deepspeed.runtime.pipe.module.PipelineModule": ("_partition_layers", "_set_bounds",
                                                      "_topo"),
     "deepspeed.runtime.pipe.engine.PipelineEngine": ("_INSTRUCTION_MAP",),
-    # on DeepSpeed's own ZeRO path: copies zero_to_fp32.py into a ZeRO checkpoint mid-save
-    # (training/checkpoint.py holds its failure like the engine's other writes)
-    "deepspeed.runtime.engine.DeepSpeedEngine": ("_copy_recovery_script",),
     # `_hp_mapping`: where a parameter's fragment lies in the flat fp32 partition (LAMB);
     # the optimizer state's link to it, renewed after a load
     "deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer": (
         "_lazy_init_hp_params_optimizer_state", "_hp_optimizer_states_linked", "_hp_mapping"),
+    # its state saved in our checkpoint (`loss_scaler_state`)
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler": LOSS_SCALER_FIELDS,
 }
 # (lp-parameter groups, flat fp32 partitions) of DeepSpeed's ZeRO 1/2 optimizer (training/
-# lamb.py and training/full_tensors.py read them).
+# lamb.py, training/full_tensors.py and `optimizer_pieces` read them).
 FLAT_PARTITIONS = (("bit16_groups", "single_partition_of_fp32_groups"),)
 SUPPORTED = "0.19"  # the minor version these names were read from (pyproject bounds it too)
 
@@ -134,9 +139,62 @@ def fragment_address(param):
     return None if mapping is None else mapping.hp_fragment_address
 
 
-def route_recovery_script_copy(engine, held) -> None:
-    """DeepSpeed's save copies its recovery scripts (rank 0, between the ZeRO files and the
-    final barrier) outside its checkpoint engine: that copy now runs as
-    `held(copy, save_path)`."""
-    copy = engine._copy_recovery_script
-    engine._copy_recovery_script = lambda save_path: held(copy, save_path)
+def optimizer_pieces(optimizer, params: list, dp: int, dp_rank: int) -> list:
+    """What this rank saves of DeepSpeed's own optimizer, as checkpoint/optimizer_shards.py
+    pieces: fp32 masters and moments by parameter and element range, read in place. ZeRO 1/2:
+    each parameter's fragment in this rank's flat fp32 partition (`_hp_mapping`), nothing
+    gathered; fp32 without ZeRO (a plain torch optimizer, every DP rank holding all of it):
+    the weights are the masters, and DP rank r saves the r-th of dp even parts of each."""
+    from megatron_rembert.checkpoint.optimizer_shards import Piece
+
+    pieces = []
+    if fp32_partitions(optimizer) is None:
+        base = getattr(optimizer, "optimizer", optimizer)
+        for p in params:
+            lo, hi = p.numel() * dp_rank // dp, p.numel() * (dp_rank + 1) // dp
+            if hi > lo:
+                moments = {k: v.reshape(-1)[lo:hi] for k, v in base.state.get(p, {}).items()
+                           if isinstance(v, torch.Tensor) and v.shape == p.shape}
+                pieces.append(Piece(p, lo, hi - lo,
+                                    {"master": p.detach().reshape(-1)[lo:hi], **moments}))
+        return pieces
+    stepped = bool(getattr(optimizer, "optimizer", optimizer).state)  # moments exist
+    if stepped:
+        relink_optimizer_state(optimizer)  # the fragments' views of the current state
+    for p in params:
+        mapping = getattr(p, "_hp_mapping", None)
+        if mapping is None:
+            continue
+        address = mapping.lp_fragment_address
+        moments = ({k: mapping.get_hp_fragment(k) for k in mapping.get_optim_state_keys()}
+                   if stepped else {})
+        pieces.append(Piece(p, address.start, address.numel,
+                            {"master": mapping.get_hp_fragment(), **moments}))
+    return pieces
+
+
+def inner_step(optimizer) -> int:
+    """The torch optimizer's step count inside DeepSpeed's wrapper (0 before its first)."""
+    base = getattr(optimizer, "optimizer", optimizer)
+    for st in base.state.values():
+        if "step" in st:
+            return int(st["step"])
+    return 0
+
+
+def loss_scaler_state(optimizer) -> dict | None:
+    """The loss scaler's state (`LOSS_SCALER_FIELDS` it has), or None without a scaler."""
+    scaler = getattr(optimizer, "loss_scaler", None)
+    if scaler is None:
+        return None
+    return {k: float(getattr(scaler, k)) for k in LOSS_SCALER_FIELDS if hasattr(scaler, k)}
+
+
+def set_loss_scaler_state(optimizer, saved: dict) -> None:
+    """Put a `loss_scaler_state` back (the fields this scaler has, in their own types)."""
+    scaler = getattr(optimizer, "loss_scaler", None)
+    if scaler is None:
+        return
+    for key, value in saved.items():
+        if key in LOSS_SCALER_FIELDS and hasattr(scaler, key):
+            setattr(scaler, key, type(getattr(scaler, key))(value))

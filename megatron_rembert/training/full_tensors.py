@@ -1,9 +1,9 @@
 """Loading full tensors into the trainer's DeepSpeed engine, at any TP x PP x DP.
 
 The source is a portable checkpoint (megatron_rembert/checkpoint/portable.py, where the format
-is written, read and documented) or, for a resume at another layout, one of our DeepSpeed
-checkpoints read through `CheckpointReader`. Each rank reads only its slice of every full
-tensor and zero-fills its padding rows.
+is written, read and documented) or, for DeepSpeed's own optimizers (fp16, ZeRO-2, fp32
+without ZeRO), the trainer's shard files read through `CheckpointReader`. Each rank reads
+only its slice of every full tensor and zero-fills its padding rows.
 """
 
 from __future__ import annotations
@@ -63,8 +63,8 @@ def restore_schedule(engine, meta: dict, info: dict) -> None:
 
 
 def load_into_fragments(engine, source: ShardSource, meta: dict) -> None:
-    """Full tensors (a portable checkpoint, or a checkpoint of DeepSpeed's own optimizers read
-    by `CheckpointReader`) into our distributed optimizer (training/data_parallel.py): each
+    """Full tensors (a portable checkpoint) into our distributed optimizer
+    (training/data_parallel.py): each
     rank cuts its fragments from its TP shard of every tensor; the weights follow from the
     masters. Weights only: fresh optimizer state, step 0."""
     opt = engine.optimizer
@@ -131,6 +131,7 @@ def load_full_tensors(engine, source: ShardSource, meta: dict) -> None:
     if weights_only:
         return
     restore_schedule(engine, meta, info)
-    scaler = getattr(opt, "loss_scaler", None)
-    if scaler is not None and info.get("loss_scale") is not None and hasattr(scaler, "cur_scale"):
-        scaler.cur_scale = float(info["loss_scale"])
+    # the whole scaler state where the checkpoint holds it (ours), else its scale
+    saved = info.get("loss_scaler") or ({"cur_scale": float(info["loss_scale"])}
+                                        if info.get("loss_scale") is not None else {})
+    deepspeed_private.set_loss_scaler_state(opt, saved)

@@ -125,7 +125,7 @@ def test_save_paths_are_cleared_without_following_links(two_runs):
     mine, other = two_runs
     before = _snapshot(other)
     os.symlink(other / "step_00000002", mine / "step_00000002")
-    os.symlink(other / "weights.bin", mine / "zero_to_fp32.py")  # where DeepSpeed copies to
+    os.symlink(other / "weights.bin", mine / "zero_to_fp32.py")  # an own name (old saves)
     (mine / "step_00000004").mkdir()  # a partial folder of a killed save: removed
     (mine / "step_00000004" / "half.pt").write_bytes(b"x")
     step_folder.clear_save_paths(mine, mine / "step_00000002")

@@ -37,16 +37,22 @@ def test_manifest_lists_every_file_as_saved(damaged):
 
 def test_code_carrying_pickles_never_run(damaged):
     root, out = damaged
-    assert out["old_step"] == 1  # a checkpoint from before manifests still loads
-    assert "mp_rank_00_model_states.pt" in out["ds_files"]  # DeepSpeed's own path's files
-    # Without a manifest the guarded load refuses it; with one, the hash does first; with a
-    # manifest made to agree, the guarded load again.
-    assert "mp_rank_00_model_states.pt: refused to load" in out["old_evil_model"]
+    # the hash refuses a replaced file first; with a manifest made to agree, the guarded load
     assert f"{OPTIM_FILE}: " in out["new_evil_optim"]
     assert "manifest.json" in out["new_evil_optim"]
     assert "rank_00000.pt: refused to load" in out["new_evil_rng"], out["new_evil_rng"]
+    # a checkpoint of DeepSpeed's files: one error saying how to convert it, nothing opened
+    assert "step_00000001: a checkpoint of DeepSpeed's files" in out["legacy"], out["legacy"]
+    assert "rembert-convert reshard" in out["legacy"]
     assert not list(root.glob("*.ran"))  # nothing ran
-    assert "mp_rank_00_model_states.pt: unreadable" in out["old_truncated"]
+
+
+def test_deepspeeds_own_path_writes_our_files(damaged):
+    """fp32 without ZeRO (DeepSpeed's own optimizer) saves the production path's files, and
+    resumes from them."""
+    _, out = damaged
+    assert out["ds_files"] == ["meta.json", OPTIM_FILE, "rng/rank_00000.pt"], out["ds_files"]
+    assert out["ds_step"] == 1
 
 
 def test_failed_or_non_finite_save_keeps_last_good(damaged):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -22,14 +23,10 @@ class Evil:
         return (open, (self.marker, "w"))
 
 
-def _copy(folder: Path, root: Path, name: str, old_format: bool = False) -> Path:
-    """A copy of step folder `folder` in its own save_dir `root/name`; `old_format`: without
-    manifest.json, i.e. the folder exactly as the code before manifests wrote it (the same
-    DeepSpeed files, rng/ and meta.json; only the manifest is new)."""
+def _copy(folder: Path, root: Path, name: str) -> Path:
+    """A copy of step folder `folder` in its own save_dir `root/name`."""
     target = root / name / folder.name
     shutil.copytree(folder, target)
-    if old_format:
-        os.remove(target / "manifest.json")
     return target
 
 
@@ -85,32 +82,30 @@ def integrity_worker(rank, world_size, root: str) -> dict:
     write_manifest(folder, {})  # the manifest made to agree with it
     out["new_evil_rng"] = _error(load(folder))
 
-    # A checkpoint from before manifests: DeepSpeed's files, as the fp32 path without ZeRO
-    # (and every path before 2026-12-07) writes them
+    # DeepSpeed's own path (fp32 without ZeRO) writes the same files as ours
     ds_trainer = Trainer(build_config({"model": {"preset": "tiny"}}, overrides(1, 1, 0)),
                          plan, torch.device("cpu"))
     ds_trainer.train_step(micro_batches(0, GLOBAL_BATCH, MICRO, 0, 1, config.model.vocab_size))
-    ds_good = ckpt.save_checkpoint(ds_trainer.engine, root / "ds_run", 1, GLOBAL_BATCH,
-                                   {**meta, "config": {**meta["config"], "parallel": {
-                                       **meta["config"]["parallel"], "zero_stage": 0}}},
+    ds_meta = {**meta, "config": {**meta["config"], "parallel": {
+        **meta["config"]["parallel"], "zero_stage": 0}}}
+    ds_good = ckpt.save_checkpoint(ds_trainer.engine, root / "ds_run", 1, GLOBAL_BATCH, ds_meta,
                                    keep_last=5)
-
-    def ds_load(folder):
-        return lambda: ckpt.load_checkpoint(ds_trainer.engine, StepFolder.open(folder),
-                                            how="same")
-
-    out["ds_files"] = sorted(p.name for p in ds_good.glob("*.pt"))
-    old = _copy(ds_good, root, "old", old_format=True)
-    out["old_step"] = ckpt.load_checkpoint(ds_trainer.engine, StepFolder.open(old),
-                                           how="same").step
-    folder = _copy(ds_good, root, "old_evil_model", True)
-    torch.save({"payload": Evil(str(root / "old_evil_model.ran"))},
-               folder / "mp_rank_00_model_states.pt")
-    out["old_evil_model"] = _error(ds_load(folder))
-    truncated = _copy(ds_good, root, "old_truncated", old_format=True)
-    model_file = truncated / "mp_rank_00_model_states.pt"
-    model_file.write_bytes(model_file.read_bytes()[: model_file.stat().st_size // 2])
-    out["old_truncated"] = _error(ds_load(truncated))
+    out["ds_files"] = sorted(json.loads((ds_good / "manifest.json").read_text())["files"])
+    out["ds_step"] = ckpt.load_checkpoint(ds_trainer.engine, StepFolder.open(ds_good),
+                                          how="same").step
+    # A checkpoint of DeepSpeed's files (what every path wrote before 2026-12-07, here made by
+    # DeepSpeed's own save), holding a pickle that carries code: refused by its meta.json,
+    # before any of its files is opened
+    legacy = root / "legacy" / "step_00000001"
+    ds_trainer.engine.save_checkpoint(str(legacy.parent), tag=legacy.name, save_latest=False)
+    torch.save({"payload": Evil(str(root / "legacy.ran"))},
+               legacy / "mp_rank_00_model_states.pt")
+    (legacy / "meta.json").write_text(json.dumps({**ds_meta, "step": 1,
+                                                  "consumed_samples": GLOBAL_BATCH}))
+    write_manifest(legacy, {})
+    (legacy / "complete").write_text("")
+    out["legacy"] = _error(lambda: ckpt.load_checkpoint(ds_trainer.engine,
+                                                        StepFolder.open(legacy), how="same"))
 
     real_save = torch.save
 

@@ -91,18 +91,14 @@ def add_copy(name: str, new: str) -> Callable[[Tensors], None]:
     return edit
 
 
-def copy_deepspeed_step(step: Path, out: Path, file: str | None = None,
-                        edit: Callable[[Tensors], object] | None = None,
-                        model: dict | None = None) -> Path:
-    """A copy of one of the trainer's DeepSpeed step folders (into `out`, a new save folder)
-    with the state dict of `file` edited (`module` of an mp_rank file, the whole dict of a
-    pipeline layer file, the tensors of an optimizer shard file) and/or meta.json's model fields
-    replaced; the manifest rewritten."""
-    from megatron_rembert.checkpoint.files import deepspeed_safe_globals, torch_load_weights
-
+def copy_step(step: Path, out: Path, file: str | None = None,
+              edit: Callable[[Tensors], object] | None = None, model: dict | None = None) -> Path:
+    """A copy of one of the trainer's step folders (into `out`, a new save folder) with the
+    tensors of optimizer shard `file` edited and/or meta.json's model fields replaced; the
+    manifest rewritten."""
     folder = out / step.name
     shutil.copytree(step, folder)
-    if edit is not None and file.endswith(".safetensors"):  # an optimizer shard file
+    if edit is not None:
         from safetensors import safe_open
         from safetensors.torch import save_file
 
@@ -111,10 +107,6 @@ def copy_deepspeed_step(step: Path, out: Path, file: str | None = None,
             data = {k: handle.get_tensor(k) for k in handle.keys()}
         edit(data)
         save_file(data, folder / file, metadata=metadata)
-    elif edit is not None:
-        data = torch_load_weights(folder / file, mmap=False, allowed=deepspeed_safe_globals())
-        edit(data["module"] if file.startswith("mp_rank_") else data)
-        torch.save(data, folder / file)
     if model:
         meta = json.loads((folder / "meta.json").read_text())
         meta["config"]["model"].update(model)

@@ -174,7 +174,7 @@ def test_tampered_deepspeed_shard_is_refused(run, tmp_path, capsys):
     """A tp=2 checkpoint (the production path's: optimizer shard files only) whose TP rank 1
     file holds a float64 master fragment (manifest rewritten to match): refused naming the
     file and tensor before anything is written."""
-    from tests.convert.tampering import copy_deepspeed_step
+    from tests.convert.tampering import copy_step
 
     root, _ = run
     step = root / "run" / "step_00000002"
@@ -186,7 +186,7 @@ def test_tampered_deepspeed_shard_is_refused(run, tmp_path, capsys):
         data[key] = data[key].double()
 
     shard = "optim_tp01_pp000_dp000.safetensors"
-    bad = copy_deepspeed_step(step, tmp_path / "bad_zero", shard, master_float64)
+    bad = copy_step(step, tmp_path / "bad_zero", shard, master_float64)
     _fails(["average", "--checkpoints", str(step), str(bad), "--out", str(tmp_path / "avg")],
            capsys, f"{shard}: tensor {name} ", "has dtype float64")
     assert not (tmp_path / "avg").exists()

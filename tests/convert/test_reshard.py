@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron_rembert.convert.__main__ import main
-from tests.convert.tampering import copy_deepspeed_step
+from tests.convert.tampering import copy_step
 from tests.convert.workers import overrides, train_worker
 from tests.distributed import run_distributed
 
@@ -61,7 +61,7 @@ def test_tampered_pipeline_files_are_refused(trained, tmp_path, capsys):
             ("fewer_layers", None, None, {"num_hidden_layers": 1},
              ("_pp001_dp000.safetensors: tensor rembert.layers.1.",
               "is not a parameter of the model"))):
-        bad = copy_deepspeed_step(step_dir, tmp_path / name, file, edit, model)
+        bad = copy_step(step_dir, tmp_path / name, file, edit, model)
         assert main(["reshard", "--checkpoint", str(bad), "--out", str(tmp_path / "o"),
                      "--tp", "1", "--pp", "1"]) == 2
         err = capsys.readouterr().err

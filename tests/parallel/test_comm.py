@@ -103,20 +103,15 @@ def test_stop_flag_agrees_on_the_communication_device(meta_comm):
 
 class _Engine:
     module = torch.nn.Linear(2, 2)  # checked finite before the save
-    optimizer = None  # DeepSpeed's own path (the engine saves its state)
-    config: dict = {}  # the config dict DeepSpeed was given
-
-    def zero_optimization(self) -> bool:
-        return True
-
-    def _copy_recovery_script(self, save_path):  # DeepSpeed's, which the save routes
-        pass
-
-    def save_checkpoint(self, save_dir, tag, client_state, save_latest):
-        Path(save_dir, tag).mkdir(parents=True, exist_ok=True)
+    optimizer = None  # DeepSpeed's own path (its optimizer's shard: `_deepspeed_shard`)
+    lr_scheduler = None
 
 
-def test_checkpoint_save_agrees_on_the_communication_device(meta_comm, tmp_path):
+def test_checkpoint_save_agrees_on_the_communication_device(meta_comm, tmp_path, monkeypatch):
+    from megatron_rembert.checkpoint import optimizer_shards
+
+    monkeypatch.setattr(ckpt, "_deepspeed_shard", lambda engine, meta, copy: optimizer_shards
+                        .Collected(optimizer_shards.shard_file(0, 0, 0), [], {"format": "x"}))
     ckpt.save_checkpoint(_Engine(), tmp_path, 3, 24, {}, keep_last=1)
     assert (tmp_path / "latest").read_text().strip() == "step_00000003"
     assert meta_comm and set(meta_comm) == {torch.device("meta")}

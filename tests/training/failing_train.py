@@ -4,11 +4,8 @@ FAILING_RANK=<rank> in the environment (read here only, never by the package).
 
 - checkpoint-disk-full: every `torch.save` into a step folder raises what torch raises when the
   disk is full (a RuntimeError from its stream writer, not an OSError);
-- optimizer-shard-disk-full: the rank's optimizer shard file (our safetensors writer, the
-  production path) takes its first tensor, then the next write fails with ENOSPC;
-- recovery-script-disk-full: DeepSpeed's copy of its recovery scripts into a ZeRO checkpoint
-  (a write outside its checkpoint engine, on rank 0 only, before its last barrier; only
-  DeepSpeed's own ZeRO path, e.g. parallel.zero_stage=2) fails;
+- optimizer-shard-disk-full: the rank's optimizer shard file (our safetensors writer, on every
+  path) takes its first tensor, then the next write fails with ENOSPC;
 - metrics-disk-full: metrics.jsonl takes its first row, then every write fails with ENOSPC (a
   Python file's OSError, which names no file).
 A real full disk is not available to a test (no tiny file system to mount), so the exception
@@ -72,19 +69,6 @@ def _metrics_disk_full() -> None:
     metrics.open = lambda *args, **kwargs: _FillingFile(open(*args, **kwargs))  # noqa: SIM115
 
 
-def _recovery_script_disk_full() -> None:
-    from deepspeed.runtime import engine
-
-    real_copy = engine.copyfile
-
-    def copyfile(src, dst, *args, **kwargs):
-        if not _saving(os.path.dirname(dst)):
-            return real_copy(src, dst, *args, **kwargs)
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    engine.copyfile = copyfile  # DeepSpeed's own copy of zero_to_fp32.py into a ZeRO save
-
-
 def _optimizer_shard_disk_full() -> None:
     from megatron_rembert.checkpoint import optimizer_shards
 
@@ -105,7 +89,6 @@ def _optimizer_shard_disk_full() -> None:
 
 FAILURES = {"checkpoint-disk-full": _checkpoint_disk_full,
             "optimizer-shard-disk-full": _optimizer_shard_disk_full,
-            "recovery-script-disk-full": _recovery_script_disk_full,
             "metrics-disk-full": _metrics_disk_full}
 
 if __name__ == "__main__":

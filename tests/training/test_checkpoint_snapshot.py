@@ -1,8 +1,6 @@
 """training/checkpoint.py's `snapshot`: what a background save writes is copied off the
 training buffers at the save. Against torch.save of the live state: the same bytes, shared
-storages still shared, and later writes to the live tensors change nothing in the copy. And
-the checkpoint engine: a foreground save writes each file when DeepSpeed hands it over (its
-pipeline clones each layer for that call), a background one keeps a copy to write later."""
+storages still shared, and later writes to the live tensors change nothing in the copy."""
 
 from __future__ import annotations
 
@@ -65,43 +63,3 @@ def test_later_training_writes_do_not_reach_the_snapshot():
     state["optimizer"]["param_groups"][0]["lr"] = 0.5
     assert _bytes(copy) == before
     assert _bytes(state) != before
-
-
-def test_foreground_save_writes_each_file_when_handed_over(tmp_path):
-    from megatron_rembert.training.checkpoint import GuardedCheckpointEngine
-
-    engine = GuardedCheckpointEngine()
-    state = _state()
-    engine.start_save(copy=False)
-    path = tmp_path / "step" / "layer_01-model_00-model_states.pt"
-    engine.save(state, str(path))
-    assert path.is_file() and not engine.files  # written now, nothing held for later
-    loaded = torch.load(path, weights_only=True)
-    assert loaded["step"] == 7 and torch.equal(loaded["module"]["rest"], state["module"]["rest"])
-    assert engine.records[str(path.resolve())]["size"] == path.stat().st_size
-    engine.start_save(copy=True)
-    later = tmp_path / "step" / "layer_02-model_00-model_states.pt"
-    engine.save(state, str(later))
-    assert not later.exists() and [p for p, _ in engine.files] == [str(later)]
-
-
-def test_the_checkpoint_engine_takes_deepspeeds_settings_from_the_config_given(tmp_path):
-    """The file format comes from the ds_config's `checkpoint` section, parsed by DeepSpeed's
-    own parser from the dict the engine was given (no private engine attribute); the recovery
-    scripts' copy is routed only where DeepSpeed's own ZeRO writes them."""
-    from types import SimpleNamespace
-
-    from megatron_rembert.training.checkpoint import _guard
-
-    def engine(config: dict, zero: bool):
-        return SimpleNamespace(config=config, zero_optimization=lambda: zero,
-                               _copy_recovery_script=print)
-
-    legacy = _guard(engine({"checkpoint": {"checkpoint_serialization": False}}, False))
-    assert legacy.zipfile_serialization is False
-    ours = engine({}, False)
-    assert _guard(ours).zipfile_serialization is True  # DeepSpeed's default
-    assert ours._copy_recovery_script is print  # our optimizer: DeepSpeed writes no ZeRO file
-    theirs = engine({}, True)
-    guard = _guard(theirs)
-    assert theirs._copy_recovery_script is not print and theirs.checkpoint_engine is guard

@@ -50,10 +50,10 @@ ROWS = [
         failure="optimizer-shard-disk-full", failing_rank=1,
         per_rank={1: ["{run}/ckpt/step_00000002: saving failed on 1 rank(s)",
                       "No space left on device"]}),
-    # A write DeepSpeed makes itself (not through its checkpoint engine), on rank 0 only, on
-    # its own ZeRO path; the other rank knows that one failed, rank 0 also why.
-    Row("recovery-script-disk-full", 2, ["{run}/ckpt/step_00000002: saving failed on 1 rank(s)"],
-        failure="recovery-script-disk-full", failing_rank=0, sets={"parallel.zero_stage": 2},
+    # The same file on DeepSpeed's own ZeRO path, half written on rank 0 only; the other rank
+    # knows that one failed, rank 0 also why.
+    Row("deepspeed-shard-disk-full", 2, ["{run}/ckpt/step_00000002: saving failed on 1 rank(s)"],
+        failure="optimizer-shard-disk-full", failing_rank=0, sets={"parallel.zero_stage": 2},
         per_rank={0: ["{run}/ckpt/step_00000002: saving failed on 1 rank(s)",
                       "No space left on device"]}),
     Row("metrics-disk-full-and-its-peer", 2, [], failure="metrics-disk-full",

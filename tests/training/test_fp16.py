@@ -12,7 +12,7 @@ import torch
 
 from tests.distributed import run_distributed
 from tests.training.helpers import allow_cpu_fp16
-from tests.training.test_loop import losses, overrides
+from tests.training.test_loop import losses, overrides, rows
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
@@ -70,3 +70,38 @@ def test_overflow_skips_the_step_and_halves_the_scale(tmp_path, tiny_dataset):
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_00000012"
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == [
         f"step_{step:08d}" for step in range(first_real + 1, 13)]
+
+
+def _train_fp16_stopped(rank, world_size, sets, signal_at=None):
+    """test_loop's train() (stopped by a signal after step `signal_at`), fp16 allowed."""
+    allow_cpu_fp16()
+    from tests.training.test_loop import _train
+
+    return _train(rank, world_size, sets, signal_at)
+
+
+def test_resume_continues_the_loss_scale_schedule(tmp_path, tiny_dataset):
+    """The loss scaler's whole state (scale, iteration, last overflow, hysteresis) is saved in
+    the checkpoint and restored: with a growth window of 3 steps after the initial overflows,
+    a run stopped after step 4 and resumed logs the scales and losses of the run that never
+    stopped (restored with the scale alone, its next growth would come 3 steps after the
+    resume instead)."""
+    ds_config = tmp_path / "fp16_window.json"
+    ds_config.write_text(json.dumps({"fp16": {"loss_scale": 0, "initial_scale_power": 20,
+                                              "loss_scale_window": 3, "hysteresis": 1}}))
+    extra = {"train.precision": "fp16", "parallel.ds_config": ds_config, "train.steps": 10,
+             "train.max_nonfinite_steps": 10, "train.eval_interval": 0}
+    straight = tmp_path / "straight"
+    run_distributed(_train_fp16_stopped, 2, overrides(straight, *tiny_dataset, **extra),
+                    timeout=300)
+    expected = rows(straight / "logs")
+    sets = overrides(tmp_path, *tiny_dataset, **extra)
+    assert run_distributed(_train_fp16_stopped, 2, sets, 4, timeout=300) == [4, 4]
+    run_distributed(_train_fp16_stopped, 2, sets, timeout=300)
+    resumed = rows(tmp_path / "logs")
+    assert sorted(resumed) == sorted(expected) == list(range(1, 11))
+    scales = [expected[s]["loss_scale"] for s in sorted(expected)]
+    assert len(set(scales[4:])) > 1  # the scale changes after the resume point
+    for step, row in expected.items():
+        assert resumed[step]["loss_scale"] == row["loss_scale"], step
+        assert resumed[step]["loss"] == pytest.approx(row["loss"], rel=1e-6), step

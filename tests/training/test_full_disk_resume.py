@@ -2,7 +2,7 @@
 "Nothing ends done that did not train", class D): a real run of train.py on 2 ranks saves at
 step 2, the disk fills up during the step-4 save (tests/training/failing_train.py, in two of
 the writes a save makes: a torch.save on rank 1, our optimizer shard file on rank 1 half
-written, DeepSpeed's recovery-script copy on rank 0 on its own ZeRO-2 path),
+written, and the same on rank 0 on DeepSpeed's own ZeRO-2 path),
 the run stops with its error line; the same command run again without the fault resumes from
 step 2 and finishes with the losses of a run that never failed."""
 
@@ -64,7 +64,7 @@ def uninterrupted(tiny_dataset, tmp_path_factory):
 
 @pytest.mark.parametrize("failure, rank, zero", [("checkpoint-disk-full", 1, 1),
                                                  ("optimizer-shard-disk-full", 1, 1),
-                                                 ("recovery-script-disk-full", 0, 2)])
+                                                 ("optimizer-shard-disk-full", 0, 2)])
 def test_rerun_after_a_full_disk_continues_from_the_last_good_checkpoint(
         failure, rank, zero, uninterrupted, tiny_dataset, tmp_path, monkeypatch):
     run = tmp_path / "run"
