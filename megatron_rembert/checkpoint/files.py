@@ -157,12 +157,9 @@ def _check_safetensors_size(path: Path) -> None:
                               f"promises {8 + n + end}); copy it again")
 
 
-def torch_load_weights(path: str | Path, mmap: bool = True, allowed: tuple | list = (),
-                       map_location: Any = "cpu") -> Any:
+def torch_load_weights(path: str | Path, mmap: bool = True, map_location: Any = "cpu") -> Any:
     """`torch.load(weights_only=True)`, memory-mapped unless the file is of the legacy
     (non-zip) format; refuses pickles that carry code.
-
-    `allowed`: extra classes trusted by name.
     """
     path = Path(path)
     if not path.is_file():
@@ -171,8 +168,7 @@ def torch_load_weights(path: str | Path, mmap: bool = True, allowed: tuple | lis
         if mmap:
             with open(path, "rb") as f:
                 mmap = f.read(len(ZIP_MAGIC)) == ZIP_MAGIC
-        with torch.serialization.safe_globals(list(allowed)):
-            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:
         found = re.search(r"GLOBAL ([\w.]+)", str(err))
         what = f" ({found.group(1)})" if found else ""

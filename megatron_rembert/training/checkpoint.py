@@ -24,7 +24,7 @@ DeepSpeed's files (written before 2026-12-07) is refused before the model is bui
 
 from __future__ import annotations
 
-import copy as copy_module
+import copy
 import errno
 import json
 import math
@@ -32,7 +32,6 @@ import os
 import shutil
 import threading
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,38 +80,6 @@ RECORDS = ".hashes"  # per-rank hashes of one save, merged into manifest.json by
 class ResumeState:
     step: int
     consumed_samples: int
-
-
-def snapshot(obj, memo: dict | None = None):
-    """A host copy of a state dict that later training steps cannot change, which `torch.save`
-    writes to the same bytes (but for the device a GPU tensor is recorded on: the loads here
-    map to the CPU anyway): every tensor storage copied once into host memory (tensors that
-    shared one share its copy, with their offsets and strides; no second copy in device
-    memory), containers rebuilt, other values deep-copied, and an object met twice copied once
-    (`memo`, as `copy.deepcopy`'s: the pickle refers back to it as it did)."""
-    memo = {} if memo is None else memo
-    if id(obj) in memo:
-        return memo[id(obj)]
-    if isinstance(obj, torch.Tensor):
-        storage = obj.untyped_storage()
-        key = ("storage", obj.device, storage.data_ptr(), storage.nbytes())
-        if key not in memo:
-            memo[key] = storage.clone() if storage.device.type == "cpu" else storage.cpu()
-        copy = torch.empty(0, dtype=obj.dtype, device="cpu")
-        copy.set_(memo[key], obj.storage_offset(), obj.size(), obj.stride())
-        copy = (torch.nn.Parameter(copy, requires_grad=obj.requires_grad)
-                if isinstance(obj, torch.nn.Parameter) else copy.requires_grad_(obj.requires_grad))
-    elif type(obj) in (dict, OrderedDict):
-        copy = type(obj)((k, snapshot(v, memo)) for k, v in obj.items())
-        if hasattr(obj, "__dict__"):  # a module's state dict carries `_metadata` (versions)
-            copy.__dict__.update(copy_module.deepcopy(obj.__dict__, memo))
-    elif type(obj) in (list, tuple):  # exactly: torch.Size and named tuples are values
-        copy = type(obj)(snapshot(v, memo) for v in obj)
-    else:
-        return copy_module.deepcopy(obj, memo)
-    memo[id(obj)] = copy
-    memo.setdefault("originals", []).append(obj)  # ids stay unique while the memo lives
-    return copy
 
 
 class SaveState:
@@ -269,7 +236,7 @@ def save_checkpoint(engine, save_dir: str | Path, step: int, consumed_samples: i
             guard.shards = _deepspeed_shard(engine, meta, background)
         rng = tp_random.get_rng_states()
         guard.files.append((str(folder / "rng" / f"rank_{comm.rank():05d}.pt"),
-                            snapshot(rng) if background else rng))
+                            copy.deepcopy(rng) if background else rng))
 
     def write_and_commit() -> None:
         if background:  # the host copies of the weights, alike on every rank after the MAX
@@ -321,7 +288,7 @@ def _write_files(guard: SaveState, folder: Path) -> None:
                        for p, r in guard.records.items() if Path(p).is_relative_to(root)})
 
 
-def _deepspeed_shard(engine, meta: dict, copy: bool) -> optimizer_shards.Collected:
+def _deepspeed_shard(engine, meta: dict, host_copy: bool) -> optimizer_shards.Collected:
     """This rank's shard file on DeepSpeed's own path (fp16, ZeRO-2, fp32 without ZeRO): the
     fp32 masters and moments of its optimizer, as ours are saved."""
     parallel = state.get_state()
@@ -332,7 +299,7 @@ def _deepspeed_shard(engine, meta: dict, copy: bool) -> optimizer_shards.Collect
                 "inner_step": deepspeed_private.inner_step(engine.optimizer)}
     return optimizer_shards.collect_pieces(pieces, _specs(engine, meta), counters,
                                            dp=parallel.layout.dp, dp_rank=parallel.dp_rank,
-                                           copy=copy, **_where())
+                                           copy=host_copy, **_where())
 
 
 def _specs(engine, meta: dict) -> dict[int, ParamSpec]:
