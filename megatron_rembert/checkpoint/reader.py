@@ -9,7 +9,7 @@ Two kinds of `step_XXXXXXXX/` folders are read:
 - the portable format (portable.py): full tensors per pipeline layer.
 
 A folder of DeepSpeed's files (`mp_rank_*_model_states.pt`, ZeRO partitions), what the
-trainer wrote before 2026-12-07, is refused with one error saying how to convert it (README,
+trainer's version 0.1.0 wrote, is refused with one error saying how to convert it (README,
 "Checkpoints").
 
 All give full (TP-merged) tensors with the vocabulary padding stripped, one at a time; files
@@ -45,7 +45,7 @@ def model_config(meta: dict, path: Path) -> ModelConfig:
 
 
 def check_format(step: StepFolder) -> None:
-    """Refuse a folder of DeepSpeed's files (the trainer's format before 2026-12-07) with one
+    """Refuse a folder of DeepSpeed's files (what version 0.1.0 wrote) with one
     error saying how to convert it."""
     meta = step.meta
     if is_portable(meta):
@@ -53,8 +53,8 @@ def check_format(step: StepFolder) -> None:
     if meta.get("optimizer_format") != optimizer_shards.FORMAT or meta.get(DEEPSPEED_FILES,
                                                                            True):
         raise CheckpointError(
-            f"{step.path}: a checkpoint of DeepSpeed's files, written before 2026-12-07 "
-            "(megatron-rembert 0.1.0); this version reads only its own format and the portable "
+            f"{step.path}: a checkpoint of DeepSpeed's files, written by megatron-rembert "
+            "0.1.0; this version reads only its own format and the portable "
             "one. Convert it once with 0.1.0 (this repository at commit 339bab6): "
             f"rembert-convert reshard --checkpoint {step.path} --out NEW_DIR --tp T --pp P "
             "writes the portable format, which train.py resumes and every command reads")

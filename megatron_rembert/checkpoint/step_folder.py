@@ -53,7 +53,7 @@ ROLLED_BACK = "rolled_back"
 DEEPSPEED_FILES = "deepspeed_files"
 STEP_NAME = re.compile(r"step_\d{8,}")  # step_tag: 8 digits or more
 # What else a save folder holds: the lock (lock.py) and the recovery scripts DeepSpeed copied
-# into it at every ZeRO save before 2026-12-07; `.tmp-*` are atomic writes in flight (or debris
+# into it at every ZeRO save of version 0.1.0; `.tmp-*` are atomic writes in flight (or debris
 # of a kill).
 OWN_ENTRIES = (LATEST, ROLLED_BACK, LOCK, "zero_to_fp32.py", "zero_to_torch.py")
 # What meta.json must hold for a checkpoint to be read at all.

@@ -17,7 +17,7 @@ On DeepSpeed's own path (fp16, ZeRO-2, fp32 without ZeRO) the files are the same
 writes the fp32 masters and moments of its ZeRO partition (read in place, nothing gathered;
 without ZeRO, its 1/dp of each parameter), and meta.json holds the fp16 loss scaler's state.
 `engine.save_checkpoint` and `engine.load_checkpoint` are called on no path; a folder of
-DeepSpeed's files (written before 2026-12-07) is refused before the model is built
+DeepSpeed's files (written by version 0.1.0) is refused before the model is built
 (checkpoint/reader.py, `check_format`). The RNG files are the one pickle, read with
 `torch.load(weights_only=True)`: a pickle that carries code is refused, never run.
 """
