@@ -22,6 +22,7 @@ keeps one (a bf16 or fp16 run's weights are rounded copies of it), in one place.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -155,14 +156,18 @@ class CheckpointReader:
         weight, or exp_avg/NAME, exp_avg_sq/NAME): what a portable checkpoint stores, so the
         trainer loads this folder at another layout as it loads a portable one."""
         state, _, name = key.rpartition("/")
-        source = next((s for s in self.specs if s.name == name), None)
+        source = self._by_name.get(name)
         if source is None:
             raise CheckpointError(f"{self.folder}: no parameter {name}")
-        full = self.full_state(source, state or "fp32")
-        if tuple(full.shape) != spec.shape:
-            raise CheckpointError(f"{self.folder}: {key} has shape {tuple(full.shape)}, the "
-                                  f"model expects {spec.shape}")
-        return shard(full, spec, tp, tp_rank)
+        if tuple(source.shape) != tuple(spec.shape):
+            raise CheckpointError(f"{self.folder}: {key} has shape {tuple(source.shape)}, the "
+                                  f"model expects {tuple(spec.shape)}")
+        if self._portable is None and tp == self.tp and not self.weights_only:
+            # at the saving TP size: the saved TP shard itself, this rank's elements only
+            local = source.local_shape(tp)
+            return self._saved_shards().read(state or "master", source, 0, math.prod(local), tp,
+                                             tp_rank).reshape(local)
+        return shard(self.full_state(source, state or "fp32"), spec, tp, tp_rank)
 
     def optimizer_meta(self) -> dict:
         """Step counts per parameter group, LR schedule, counters and the loss scaler's state:

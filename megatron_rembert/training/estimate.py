@@ -89,11 +89,11 @@ def _transient_copy(config: Config, layout: Layout) -> list[float]:
       tp 2). On the main-gradient path autograd's gradient, in the training precision, lives
       until its hook has added it; the embeddings' gradients are added by their kernels and
       never exist whole. Without ZeRO gradients accumulate in place;
-    - on DeepSpeed's own path, a resume: each parameter is read as a full fp32 tensor (its
-      TP shards merged) before this rank's shard is cut from it (training/full_tensors.py; on
-      a GPU that copy is in host memory: counted anyway, a bound). Our optimizer reads its
-      fragments in place (at the saving TP size); both paths save in place
-      (training/checkpoint.py)."""
+    - on DeepSpeed's own path, a resume: each parameter's fp32 TP shard is read whole before
+      it is set (training/full_tensors.py; on a GPU that copy is in host memory: counted
+      anyway, a bound; at another TP size than the checkpoint's the full tensor, not
+      counted). Our optimizer reads its fragments in place (at the saving TP size); both
+      paths save in place (training/checkpoint.py)."""
     weight = _weight_bytes(config)
     owned = data_parallel.applies(config)
     if owned:
@@ -104,7 +104,7 @@ def _transient_copy(config: Config, layout: Layout) -> list[float]:
     saved = [0.0] * len(fresh)
     for param in parameter_table(config.model, layout.tp):
         if not owned:
-            saved[param.layer] = max(saved[param.layer], 4 * param.full)
+            saved[param.layer] = max(saved[param.layer], 4 * param.local)
         if not param.name.endswith(skip):
             fresh[param.layer] = max(fresh[param.layer], per_element * param.local)
     return [max(a, b) for a, b in zip(fresh, saved, strict=True)]

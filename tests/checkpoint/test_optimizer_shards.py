@@ -187,3 +187,27 @@ def test_masters_are_read_into_place(tmp_path):
     assert len(in_place) == len(target.all_fragments()) and all(in_place)
     for (name, saved), loaded in zip(model.named_parameters(), fresh.parameters(), strict=True):
         assert torch.equal(saved, loaded), name
+
+
+@pytest.mark.multiprocess
+def test_a_tp_shard_at_the_saving_tp_is_read_without_the_full_tensor(tmp_path):
+    """What a resume at the saving TP size reads (CheckpointReader.local_shard on DeepSpeed's
+    own path): each rank's TP shard straight from its fragments, equal to the full tensor cut
+    for that rank (vocabulary padding included), the full tensor never assembled."""
+    from megatron_rembert.checkpoint import optimizer_shards
+    from megatron_rembert.checkpoint.specs import param_specs, shard
+
+    run_distributed(_worker, 4, "adamw", torch.float32, str(tmp_path), 0, SAVED_AT, 2,
+                    timeout=900)
+    specs = param_specs(_model()[1].model, 2)
+    with optimizer_shards.SavedShards(optimizer_shards.files_of(tmp_path)) as saved:
+        expected = {(kind, s.name, r): shard(saved.full(kind, s), s, 2, r)
+                    for kind in ("master", "exp_avg", "exp_avg_sq") for s in specs
+                    for r in range(2)}
+        saved.full = None  # not called below
+        for (kind, name, r), want in expected.items():
+            spec = next(s for s in specs if s.name == name)
+            local = spec.local_shape(2)
+            got = saved.read(kind, spec, 0, want.numel(), 2, r).reshape(local)
+            assert torch.equal(got, want), (kind, name, r)
+    assert any(s.split_dim is not None for s in specs)  # TP-split parameters among them
