@@ -105,8 +105,8 @@ def collect_pieces(pieces: list[Piece], specs: dict[int, ParamSpec], counters: d
                    *, dp: int, dp_rank: int, tp: int, tp_rank: int, pp: int, pp_rank: int,
                    copy: bool) -> Collected:
     """This rank's shard file from the pieces it saves, whichever optimizer holds them (ours,
-    or DeepSpeed's on its own path: training/deepspeed_shards.py). `counters`: steps,
-    skipped_steps, inner_step."""
+    or DeepSpeed's on its own path: training/deepspeed_private.py, `optimizer_pieces`).
+    `counters`: steps, skipped_steps, inner_step."""
     items, shapes = [], {}
     for piece in pieces:
         spec = specs.get(id(piece.param))

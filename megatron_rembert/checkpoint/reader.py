@@ -167,7 +167,11 @@ class CheckpointReader:
             local = source.local_shape(tp)
             return self._saved_shards().read(state or "master", source, 0, math.prod(local), tp,
                                              tp_rank).reshape(local)
-        return shard(self.full_state(source, state or "fp32"), spec, tp, tp_rank)
+        full = self.full_state(source, state or "fp32")
+        if tuple(full.shape) != tuple(spec.shape):  # what the files hold, not what meta says
+            raise CheckpointError(f"{self.folder}: {key} has shape {tuple(full.shape)}, the "
+                                  f"model expects {tuple(spec.shape)}")
+        return shard(full, spec, tp, tp_rank)
 
     def optimizer_meta(self) -> dict:
         """Step counts per parameter group, LR schedule, counters and the loss scaler's state:

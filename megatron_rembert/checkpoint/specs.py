@@ -1,7 +1,7 @@
 """Parameter specs: what a checkpoint stores of each parameter, at any TP size.
 
-One full tensor per parameter, vocabulary padding stripped, is the common currency: DeepSpeed's
-TP shards are merged into it (`merge_shards`) and a rank's shard is cut from it (`shard`).
+One full tensor per parameter, vocabulary padding stripped, is the common currency: saved TP
+shards are merged into it (`merge_shards`) and a rank's shard is cut from it (`shard`).
 Padding rows are zero-filled, which is exact: they have zero weight, gradient and Adam moments
 in training.
 """
@@ -14,7 +14,7 @@ import torch
 
 from megatron_rembert.checkpoint import CheckpointError
 from megatron_rembert.config import ModelConfig
-from megatron_rembert.model.pipeline import layer_prefix, pipeline_layer
+from megatron_rembert.model.pipeline import pipeline_layer
 from megatron_rembert.parallel import state
 
 
@@ -49,22 +49,6 @@ def layer_of(name: str, num_layers: int) -> int:
         raise CheckpointError(str(err)) from err
 
 
-def pipe_name(name: str, num_layers: int) -> tuple[int, str]:
-    """Global name -> (pipeline layer index, name inside that layer) as PipelineModule saves."""
-    layer = layer_of(name, num_layers)
-    return layer, name[len(layer_prefix(layer, num_layers)):]
-
-
-def global_name(layer: int, inner: str, num_layers: int) -> str:
-    """The inverse of `pipe_name`."""
-    return layer_prefix(layer, num_layers) + inner
-
-
-# A coupled model (model.tie_embeddings) holds one parameter under two module names: the MLM
-# decoder's weight is the input table. Parameter lists count it once, under the input name.
-TIED_ALIASES = {"mlm_head.decoder.weight": "rembert.embeddings.word_embeddings.weight"}
-
-
 def param_specs(config: ModelConfig, tp: int = 1) -> list[ParamSpec]:
     """Every trainable parameter of the pre-training model at TP size `tp` (meta device)."""
     from megatron_rembert.model.rembert import RemBertForPreTraining
@@ -78,16 +62,8 @@ def param_specs(config: ModelConfig, tp: int = 1) -> list[ParamSpec]:
 def no_weight_decay(name: str, ndim: int) -> bool:
     """BERT's convention: no weight decay on biases and LayerNorm parameters. The optimizer's
     two parameter groups (training/optim.py: decay, then no decay, each in the model's order)
-    follow it, and so does the numbering of a plain torch optimizer's saved state."""
+    follow it."""
     return ndim == 1 or name.endswith(".bias")
-
-
-def optimizer_order(specs: list[ParamSpec]) -> list[ParamSpec]:
-    """`specs` (the model's order) in the order the optimizer holds them: the weight-decay
-    group first, then the others."""
-    decays = [not no_weight_decay(s.name, len(s.padded_shape)) for s in specs]
-    return ([s for s, d in zip(specs, decays, strict=True) if d]
-            + [s for s, d in zip(specs, decays, strict=True) if not d])
 
 
 def merge_shards(shards: list[torch.Tensor], spec: ParamSpec) -> torch.Tensor:

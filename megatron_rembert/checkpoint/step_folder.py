@@ -48,8 +48,8 @@ from megatron_rembert.fs import (
 
 COMPLETE, LATEST, META, MANIFEST = "complete", "latest", "meta.json", "manifest.json"
 ROLLED_BACK = "rolled_back"
-# meta.json: false where the trainer wrote no DeepSpeed file (our optimizer's path: its shard
-# files hold the fp32 masters, the weights of record; meta.json the LR schedule)
+# meta.json: false where the trainer wrote no DeepSpeed file (every path since version 0.2.0:
+# its shard files hold the fp32 masters, the weights of record; meta.json the LR schedule)
 DEEPSPEED_FILES = "deepspeed_files"
 STEP_NAME = re.compile(r"step_\d{8,}")  # step_tag: 8 digits or more
 # What else a save folder holds: the lock (lock.py) and the recovery scripts DeepSpeed copied

@@ -46,15 +46,6 @@ LAYERS_PREFIX = "rembert.layers."
 HEAD_PREFIX = "mlm_head."
 
 
-def layer_prefix(layer: int, num_layers: int) -> str:
-    """The global name prefix of pipeline layer `layer` (the one layer/prefix mapping)."""
-    if layer == 0:
-        return EMBEDDINGS_PREFIX
-    if layer == num_layers + 1:
-        return HEAD_PREFIX
-    return f"{LAYERS_PREFIX}{layer - 1}."
-
-
 def pipeline_layer(name: str, num_layers: int) -> int:
     """The pipeline layer holding the parameter with global name `name`."""
     if name.startswith(EMBEDDINGS_PREFIX):

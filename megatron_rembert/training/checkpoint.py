@@ -88,7 +88,7 @@ class SaveState:
 
     def __init__(self):
         self.records: dict[str, dict] = {}  # absolute path -> {"size", "sha256"}
-        self.files: list[tuple[str, object]] = []  # (path, state) of this save, to write
+        self.files: list[tuple[str, object]] = []  # (path, RNG states) of this save, to write
         self.shards: optimizer_shards.Collected | None = None  # this rank's, to write
         self.pending: PendingSave | None = None  # the background save in flight
         self.host_group = None  # the gloo group its writer agrees over (made at first use)
@@ -132,7 +132,7 @@ class SaveState:
 _SAVES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _guard(engine) -> SaveState:
+def _save_state(engine) -> SaveState:
     if engine not in _SAVES:
         _SAVES[engine] = SaveState()
     return _SAVES[engine]
@@ -167,7 +167,7 @@ class PendingSave:
 def wait_for_save(engine) -> None:
     """Every rank: the background save in flight, if any, complete and `latest` (or its error
     raised). A save waits for the previous one itself; a stop and the end of a run call this."""
-    guard = _guard(engine)
+    guard = _save_state(engine)
     pending, guard.pending = guard.pending, None
     if pending is not None:
         pending.wait()
@@ -205,7 +205,7 @@ def save_checkpoint(engine, save_dir: str | Path, step: int, consumed_samples: i
     if comm.rank() == 0:  # a partial folder left by a kill at this step; never through a link
         clear_save_paths(save_dir, folder)
     comm.barrier()
-    guard = _guard(engine)
+    guard = _save_state(engine)
     guard.start_save()
     if background and guard.host_group is None:
         guard.host_group = comm.new_host_group()
@@ -270,8 +270,8 @@ def save_checkpoint(engine, save_dir: str | Path, step: int, consumed_samples: i
 
 
 def _write_files(guard: SaveState, folder: Path) -> None:
-    """This rank's files of the step folder not written yet (DeepSpeed's states in the
-    background, the RNG states, the optimizer shard), then its hashes."""
+    """This rank's files of the step folder (its RNG states, its optimizer shard), then its
+    hashes."""
     for path, saved in guard.files:
         guard.write(saved, path)
     if guard.failed is not None:

@@ -64,9 +64,8 @@ def restore_schedule(engine, meta: dict, info: dict) -> None:
 
 def load_into_fragments(engine, source: ShardSource, meta: dict) -> None:
     """Full tensors (a portable checkpoint) into our distributed optimizer
-    (training/data_parallel.py): each
-    rank cuts its fragments from its TP shard of every tensor; the weights follow from the
-    masters. Weights only: fresh optimizer state, step 0."""
+    (training/data_parallel.py): each rank cuts its fragments from its TP shard of every
+    tensor; the weights follow from the masters. Weights only: fresh optimizer state, step 0."""
     opt = engine.optimizer
     weights_only = bool(meta.get("weights_only"))
     info = meta.get("optimizer") or {}
