@@ -20,12 +20,12 @@ What overlaps compute (the rest is exposed: bytes / bandwidth adds to the step):
 - DP, path "reduce_scatter" (ZeRO-1 in bf16 or fp32: training/data_parallel.py): the fp32
   gradients reduce-scattered bucket by bucket (parallel/grad_buffer.py's layout, one call per
   bucket; with parallel.grad_reduce_dtype=bf16 an all-to-all of each bucket's bf16 copy
-  instead), during the last micro-batch's backward on this rank (at pp > 1 the stage's last
-  backward of the schedule), hidden up to that backward's compute time (two thirds of the
-  stage's FLOPs of one micro-batch). The weights' all-gather after the step, bucket by
-  bucket: with parallel.overlap_weight_gather (the default) in flight while the next step's
-  first forward runs, each layer waiting for its own bucket, hidden up to that forward's
-  compute time (a third of the stage's FLOPs of one micro-batch); without it, exposed.
+  instead) during the last micro-batch's backward on this rank (at pp > 1 the stage's last
+  backward of the schedule); the weights' all-gather, bucket by bucket, with
+  parallel.overlap_weight_gather (the default) in flight while the next step's first forward
+  runs, each layer waiting for its own bucket; without it, inside the step. What of them is
+  exposed comes from the order the step issues and waits for them, NCCL's queue per group
+  included (training/step_order.py: `simulate` on `dp_order`).
 - DP, path "deepspeed" (fp16, ZeRO-2, fp32 without ZeRO: DeepSpeed's own reduction): an
   estimate of the same shape that no test checks.
 """
@@ -38,14 +38,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_rembert.data import batch
-from megatron_rembert.model.cost import parameter_table, tp_all_reduces
+from megatron_rembert.model.cost import tp_all_reduces
 from megatron_rembert.model.pipeline import PIPE_ACTIVATIONS
-from megatron_rembert.parallel.grad_buffer import lay_out
 from megatron_rembert.parallel.layout import Layout, layout_rank
 from megatron_rembert.run_config.schema import Config
 from megatron_rembert.training import data_parallel
 from megatron_rembert.training.links import LinkAssumptions
 from megatron_rembert.training.plan import RunPlan
+from megatron_rembert.training.step_order import dp_order, simulate, stage_buckets
 
 # How the DP gradients are reduced: the path a run takes is `dp_path(config)`.
 DP_PATHS = {
@@ -193,8 +193,8 @@ def _dp(config: Config, plan: RunPlan, stage: int, rank: int, path: str) -> list
     weight, ranks = activation_bytes(config), group_ranks(layout, rank, "DP")
     groups = OPTIMIZER_GROUPS
     if path == "reduce_scatter":
-        buckets = _buckets(config, plan, stage)
-        elements = sum(end - start for _, _, start, end in buckets)
+        buckets = stage_buckets(config, plan, stage)
+        elements = sum(b.elements for b in buckets)
         reduce = (Collective("DP", "reduce-scatter", "fp32 gradients, bucketed", 4 * elements,
                              len(buckets), ranks, overlap="backward")
                   if config.parallel.grad_reduce_dtype == "fp32" else
@@ -212,15 +212,6 @@ def _dp(config: Config, plan: RunPlan, stage: int, rank: int, path: str) -> list
                            ranks)]
     return [Collective("DP", "reduce-scatter", "gradients, counted as fp32 (DeepSpeed, "
                        "overlap_comm)", 4 * params, groups, ranks, overlap="backward"), gather]
-
-
-def _buckets(config: Config, plan: RunPlan, stage: int) -> list[tuple[int, int, int, int]]:
-    """The gradient buckets of a rank of `stage` (parallel/grad_buffer.py's layout of its
-    parameters, in reverse registration order)."""
-    bounds = plan.stages.boundaries
-    sizes = [p.local for p in parameter_table(config.model, plan.layout.tp)
-             if bounds[stage] <= p.layer < bounds[stage + 1]]
-    return lay_out(sizes[::-1], config.parallel.grad_bucket_elements, plan.layout.dp)[1]
 
 
 def step_collectives(config: Config, plan: RunPlan, stage: int,
@@ -257,20 +248,23 @@ class StageTime:
 def stage_time(config: Config, plan: RunPlan, stage: int, links: LinkAssumptions,
                path: str | None = None) -> StageTime:
     """Compute: the stage's training FLOPs per rank (the stage split's count, recomputation
-    included) x micro-batches / (peak x MFU). Exposed: each collective's wire bytes /
-    bandwidth, less what hides behind the last micro-batch's backward or the next step's
-    first forward where it overlaps."""
+    included) x micro-batches / (peak x MFU). Exposed: each TP and PP collective's wire bytes
+    / bandwidth (all of it); on our DP path, what the step's order leaves the device waiting
+    for (training/step_order.py), charged to the kind of collective it waited for."""
     rate = links.peak_flops * links.mfu
-    per_micro = plan.stages.flops[stage]
-    compute = per_micro * plan.layout.gas / rate
-    # what an overlapped collective hides in: the last backward, the next step's first forward
-    window = {"backward": 2 / 3 * per_micro / rate, "forward": 1 / 3 * per_micro / rate}
+    compute = plan.stages.flops[stage] * plan.layout.gas / rate
     collectives = step_collectives(config, plan, stage, path)
+    waited = {}
+    if (path or dp_path(config)) == "reduce_scatter":
+        ranks = group_ranks(plan.layout, stage_rank(plan.layout, stage), "DP")
+        bandwidth = links.bytes_per_second(ranks)
+        _, waited = simulate(dp_order(
+            config, plan, stage, lambda flops: flops / rate,
+            lambda op, size: size * wire_factor(op, len(ranks)) / bandwidth))
     exposed = []
     for c in collectives:
-        seconds = c.wire_bytes / links.bytes_per_second(c.ranks)
-        if c.overlap in window:
-            hidden = min(seconds, window[c.overlap])
-            seconds, window[c.overlap] = seconds - hidden, window[c.overlap] - hidden
-        exposed.append(seconds)
+        if c.group == "DP" and waited:
+            exposed.append(waited.get(c.op, 0.0))
+        else:
+            exposed.append(c.wire_bytes / links.bytes_per_second(c.ranks))
     return StageTime(stage, compute, collectives, exposed)

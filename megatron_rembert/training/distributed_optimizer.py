@@ -21,19 +21,25 @@ A step (`step()`, after the last micro-batch's backward):
    from a client optimizer: tests/training/test_client_optimizer.py);
 4. clipping to `clip_grad` (coefficient clip / (norm + 1e-6), DeepSpeed's) multiplies the
    shards once; the inner optimizer steps the fragments;
-5. the masters are written into the training-dtype weight buffer's shard and each bucket's
+5. the masters are written into the training-dtype weight buffer's shard, and each bucket's
    weights all-gathered over DP (asynchronously, all buckets in flight, then waited for; or,
-   after `overlap_weight_gather`, left in flight: see below);
+   after `overlap_weight_gather`, left to the next step: see below);
 6. the gradient buffers are zeroed.
 
 The weights' all-gather overlapped with the next forward (`overlap_weight_gather`, as
-Megatron-Core's overlap_param_gather and FSDP2's per-block unshard): the step returns with every
-bucket's all-gather in flight, issued in forward order (the buffer's last bucket, which holds the
-first layers, first), and the forward waits for a bucket only when it reaches a unit (an
-embedding, a Transformer layer, the head) whose parameters lie in it: a forward pre-hook per
-unit, and one on the model for parameters outside every unit. A module's `state_dict()` waits
-for all of them; so do `wait_for_weights()` (the trainer calls it before a save's checks and at
-the end of training), the next step and every method here that reads or writes the weights.
+Megatron-Core's overlap_param_gather and FSDP2's per-block unshard): the step returns with the
+stepped shards written and nothing issued; `start_weight_gather()` issues every bucket's
+all-gather, in forward order (the buffer's last bucket, which holds the first layers, first),
+and the forward waits for a bucket only when it reaches a unit (an embedding, a Transformer
+layer, the head) whose parameters lie in it: a forward pre-hook per unit, and one on the model
+for parameters outside every unit. The trainer starts the gather at the beginning of the next
+step, after that step's blocking collectives on the DP group (its token count) and before its
+first forward; the previous step's statistics were reduced before. So no blocking collective
+or host read is issued on the DP group while an all-gather on it is unwaited: NCCL runs one
+communicator's operations in issue order, and such a collective would wait for every gather
+(tests/training/test_issue_order.py records the order). Any wait (a unit's hook, a module's
+`state_dict()`, `wait_for_weights()`, the next step, every method here that reads or writes the
+weights) issues the gather first if nobody did.
 
 LAMB's trust ratio is that of the whole parameter: the fragments' squared norms of weight and
 update are summed over the DP group (and the TP group for TP-split parameters) before the
@@ -124,6 +130,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # client optimizer's step() (then it counts a skipped step and leaves the LR schedule)
         self.overflow = False
         self.defer_gather = False  # overlap_weight_gather() was called
+        self._published = False  # stepped shards written, their all-gather not issued yet
         self._gathering: dict[int, object] = {}  # bucket index -> its all-gather in flight
 
     def _fragment(self, param: torch.nn.Parameter) -> Fragment | None:
@@ -184,24 +191,32 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return None
 
     def _publish(self, wait: bool = True) -> None:
-        """Masters -> this rank's weight shards -> every rank's weights (in forward order: the
-        last bucket first). `wait=False`: left in flight (`wait_for_weights`)."""
+        """Masters -> this rank's weight shards; then every rank's weights, gathered now
+        (`wait`) or left to `start_weight_gather` (or the first wait)."""
         self.wait_for_weights()
         for f in self.all_fragments():
             if f.master is not f.weight:
                 f.weight.copy_(f.master)
-        if self.buffer.dp == 1:
-            return
-        for b in reversed(self.buffer.buckets):
-            self._gathering[b.index] = comm.all_gather_into(
-                b.weights, self.buffer.shard(b, grads=False), self.buffer.dp_group,
-                async_op=True)
+        self._published = self.buffer.dp > 1
         if wait:
             self.wait_for_weights()
 
     # -- the weights' all-gather overlapped with the next forward ---------------------------------
+    def start_weight_gather(self) -> None:
+        """Issue the all-gathers of the weights the last step stepped, every bucket in forward
+        order (the last bucket first), and leave them in flight; nothing if none is due."""
+        if not self._published:
+            return
+        self._published = False
+        for b in reversed(self.buffer.buckets):
+            self._gathering[b.index] = comm.all_gather_into(
+                b.weights, self.buffer.shard(b, grads=False), self.buffer.dp_group,
+                async_op=True)
+
     def wait_for_weights(self, buckets: Iterable[int] | None = None) -> None:
-        """Wait for the weights' all-gathers in flight: of the given bucket indices, or all."""
+        """Wait for the weights' all-gathers (issued first if they are due): of the given
+        bucket indices, or all."""
+        self.start_weight_gather()
         for index in list(self._gathering) if buckets is None else buckets:
             handle = self._gathering.pop(index, None)
             if handle is not None:
@@ -214,7 +229,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def overlap_weight_gather(self, model: torch.nn.Module,
                               units: tuple[type[torch.nn.Module], ...]) -> None:
-        """From the next step on, leave the weights' all-gathers in flight after the step: each
+        """From the next step on, leave the weights' all-gathers to `start_weight_gather`: each
         module of `model` that is an instance of `units` waits, before its forward, for the
         buckets of its parameters (its submodules' included), and `model` itself for those of
         the parameters outside every unit. Every module's `state_dict()` waits for all. A unit

@@ -217,6 +217,7 @@ class Trainer:
             raise ValueError(f"expected {self.layout.gas} micro-batches, got "
                              f"{len(micro_batches)}")
         micro_batches, step = self._prepare(micro_batches)
+        self._start_weight_gather()
         skipped_before = self.engine.skipped_steps
         lr = self.scheduler.get_last_lr()[0]  # the rate this step applies
         self.engine.train()
@@ -287,6 +288,7 @@ class Trainer:
     def eval_step(self, micro_batches: list[dict]) -> tuple[float, float, int]:
         """Loss and MLM accuracy over the given micro-batches (all DP ranks together)."""
         micro_batches, step = self._prepare(micro_batches)
+        self._start_weight_gather()
         self.engine.eval()
         if self.pipeline:
             self.engine.module.loss_fn = step.scaled_loss
@@ -296,6 +298,14 @@ class Trainer:
             for mb in micro_batches:
                 step.scaled_loss(self.engine(**mb))
         return self._finish_stats(step)
+
+    def _start_weight_gather(self) -> None:
+        """The last step's weights' all-gather, in flight from here while the forward runs
+        (parallel.overlap_weight_gather): issued after `_prepare`'s blocking all-reduce on
+        the DP group, and after the last step's statistics were read, so that on NCCL no
+        blocking collective or host read on that group waits behind it."""
+        if self.owned:
+            self.optimizer.start_weight_gather()
 
     def wait_for_weights(self) -> None:
         """The weights of the last step, all-gathered over DP: before reading them outside a

@@ -23,6 +23,7 @@ class StagePlan:
 
     boundaries: list[int]  # stage i owns pipeline layers [boundaries[i], boundaries[i+1])
     flops: list[float]  # training FLOPs per micro-batch, per stage
+    layer_flops: list[float]  # ... per pipeline layer (what the stage split balanced)
     parameters: list[float]  # per rank (TP shard)
     memory: list[dict[str, float]]  # bytes per rank: parameters, gradients, optimizer, acts
     efficiency: float  # 1F1B bound for the accumulation steps of a global batch
@@ -170,7 +171,8 @@ def stage_plan(config: Config, layout: Layout, data: DataPlan) -> StagePlan:
                "activations": in_flight[i] * sum(activations[k] for k in stages[i])}
               for i, n in enumerate(stage_params)]
     stage_flops = [sum(flops[k] for k in r) for r in stages]
-    return StagePlan(boundaries=bounds, flops=stage_flops, parameters=stage_params,
+    return StagePlan(boundaries=bounds, flops=stage_flops, layer_flops=flops,
+                     parameters=stage_params,
                      memory=memory, efficiency=one_f_one_b_efficiency(stage_flops, layout.gas))
 
 

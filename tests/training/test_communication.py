@@ -92,9 +92,9 @@ def _rank_parameters(config, tp: int) -> int:
 def _bucket_elements(config, plan) -> int:
     """Elements of a stage-0 rank's gradient buckets (parameters and their alignment padding),
     as the counted calls of tests/training/test_communication_counted.py confirm."""
-    from megatron_rembert.training.communication import _buckets
+    from megatron_rembert.training.step_order import stage_buckets
 
-    return sum(end - start for _, _, start, end in _buckets(config, plan, 0))
+    return sum(b.elements for b in stage_buckets(config, plan, 0))
 
 
 def test_dp_bytes_of_the_production_path():
@@ -107,7 +107,6 @@ def test_dp_bytes_of_the_production_path():
     assert set(dp) == {"reduce-scatter", "all-gather"}
     assert dp["all-gather"].wire_bytes == 3 / 4 * 2 * elements  # the bf16 weights
     assert dp["reduce-scatter"].wire_bytes == 3 / 4 * 4 * elements  # fp32 gradients
-    assert dp["reduce-scatter"].overlap == "backward"
     # at most (n - 1) / n x 6 bytes per parameter on the wire, padding aside
     assert sum(c.wire_bytes for c in dp.values()) <= 3 / 4 * 6 * elements
     assert all(c.size == 4 for c in dp.values())
@@ -116,28 +115,71 @@ def test_dp_bytes_of_the_production_path():
     assert not [c for c in step_collectives(config1, plan1, 0) if c.group == "DP"]
 
 
+def _dp_exposed(config, plan, links) -> dict:
+    t = stage_time(config, plan, 0, links)
+    return {c.op: s for c, s in zip(t.collectives, t.exposed_s, strict=True) if c.group == "DP"}
+
+
 @pytest.mark.parametrize("overlap", [True, False])
-def test_the_reduce_scatter_hides_behind_backward_the_gather_behind_forward(overlap):
+def test_one_bucket_hides_nothing(overlap):
+    """One bucket: its reduce-scatter starts when the last backward has finished, and the
+    first layer's forward waits for its whole all-gather: both fully exposed, with or without
+    the overlap (what a per-layer-bucket model would claim hidden is not)."""
     config, plan = _tiny("parallel.tp=2", "train.global_batch_size=16", "train.precision=bf16",
                          f"parallel.overlap_weight_gather={str(overlap).lower()}")
     elements = _bucket_elements(config, plan)
     slow = LinkAssumptions(intra_node_gbps=0.001, inter_node_gbps=0.001, mfu=0.5)
-    rate = slow.peak_flops * 0.5
-    backward = 2 / 3 * plan.stages.flops[0] / rate  # one micro-batch's
-    forward = backward / 2
-    seconds = 3 / 4 * 4 * elements / (0.001e9 / 8)
-    gather = 3 / 4 * 2 * elements / (0.001e9 / 8)
-    assert gather > forward  # the slow link: some of it stays exposed
+    exposed = _dp_exposed(config, plan, slow)
+    assert exposed["reduce-scatter"] == pytest.approx(3 / 4 * 4 * elements / (0.001e9 / 8))
+    assert exposed["all-gather"] == pytest.approx(3 / 4 * 2 * elements / (0.001e9 / 8))
     t = stage_time(config, plan, 0, slow)
-    exposed = {c.op: s for c, s in zip(t.collectives, t.exposed_s, strict=True)
-               if c.group == "DP"}
-    assert exposed["reduce-scatter"] == pytest.approx(seconds - backward, rel=1e-9)
-    assert exposed["all-gather"] == pytest.approx(gather - forward if overlap else gather,
-                                                  rel=1e-9)
-    assert t.compute_s == pytest.approx(plan.stages.flops[0] * plan.layout.gas / rate)
-    fast = stage_time(config, plan, 0, LinkAssumptions(intra_node_gbps=1e9))
-    assert [s for c, s in zip(fast.collectives, fast.exposed_s, strict=True)
-            if c.op == "reduce-scatter"] == [0.0]
+    assert t.compute_s == pytest.approx(plan.stages.flops[0] * plan.layout.gas / (
+        slow.peak_flops * 0.5))
+    fast = _dp_exposed(config, plan, LinkAssumptions(intra_node_gbps=1e9))
+    assert max(fast.values()) < 1e-9  # what is left: one bucket's time on a fast link
+
+
+def test_buckets_hide_what_the_order_lets_them():
+    """Buckets of 3,000 elements: the all-gather's buckets after the first hide behind the
+    forward, the reduce-scatters behind the backward, as far as compute lasts; without the
+    overlap the all-gather is all exposed."""
+    from megatron_rembert.training.step_order import stage_buckets
+
+    sets = ("parallel.tp=2", "train.global_batch_size=16", "train.precision=bf16",
+            "parallel.grad_bucket_elements=3000")
+    config, plan = _tiny(*sets)
+    buckets = stage_buckets(config, plan, 0)
+    assert len(buckets) > 3
+    links = LinkAssumptions(intra_node_gbps=0.0005, inter_node_gbps=0.0005, mfu=0.5)
+    bandwidth = 0.0005e9 / 8
+    full = {"all-gather": sum(3 / 4 * 2 * b.elements for b in buckets) / bandwidth,
+            "reduce-scatter": sum(3 / 4 * 4 * b.elements for b in buckets) / bandwidth}
+    overlapped = _dp_exposed(config, plan, links)
+    first = 3 / 4 * 2 * buckets[-1].elements / bandwidth  # the embedding's bucket
+    assert first < overlapped["all-gather"] < full["all-gather"]
+    last = 3 / 4 * 4 * buckets[-1].elements / bandwidth  # issued after the whole backward
+    assert last < overlapped["reduce-scatter"] < full["reduce-scatter"]
+    waiting, _ = _tiny(*sets, "parallel.overlap_weight_gather=false")
+    assert _dp_exposed(waiting, plan, links)["all-gather"] == pytest.approx(full["all-gather"])
+
+
+def test_a_blocking_collective_behind_the_gather_exposes_all_of_it():
+    """NCCL's queue: a blocking all-reduce issued on the group behind the in-flight all-gathers
+    (the order before the statistics moved) waits for all of them; issued before them, for
+    nothing."""
+    from megatron_rembert.training.step_order import Event, simulate
+
+    gathers = [Event("issue", "all-gather", 2.0, key=k) for k in range(3)]
+    waits = [Event("wait", "all-gather", key=k) for k in range(3)]
+    forward = [Event("compute", seconds=3.0)] * 3
+    good = [Event("blocking", "all-reduce"), *gathers,
+            *[e for pair in zip(waits, forward, strict=True) for e in pair]]
+    seconds, exposed = simulate(good)
+    assert exposed == {"all-gather": 2.0} and seconds == 11.0  # the first bucket only
+    bad = [*gathers, Event("blocking", "all-reduce"),
+           *[e for pair in zip(waits, forward, strict=True) for e in pair]]
+    seconds, exposed = simulate(bad)
+    assert exposed == {"all-gather": 6.0} and seconds == 15.0  # all of it
 
 
 def test_pipeline_messages_at_tp_1():

@@ -15,6 +15,8 @@ process with plain autograd and the plain optimizer:
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -121,7 +123,7 @@ def _worker(rank: int, dp: int, optimizer: str, nan_step: int | None = None,
 
     at_units: list[tuple[str, list[int]]] = []  # (unit, buckets still in flight) at its forward
     model, config, buffer, opt = build()
-    traffic, norms, saved, after_step = [], [], None, []
+    traffic, norms, saved, after_step, in_flight = [], [], None, [], []
     for step in range(steps):
         if step == resume_at:  # a fresh model and optimizer from this rank's state
             states, inner_step = opt.fragment_states()
@@ -131,8 +133,10 @@ def _worker(rank: int, dp: int, optimizer: str, nan_step: int | None = None,
             opt.load_fragment_states(*saved)
         batches = micro_batches(step, GLOBAL, MICRO, rank, dp, config.model.vocab_size)
         at_units.clear()  # keep the last step's forward passes only
-        tokens = comm.all_reduce(torch.tensor(_tokens(batches)))
         comm.TRAFFIC.reset()
+        tokens = comm.all_reduce(torch.tensor(_tokens(batches)))
+        opt.start_weight_gather()  # the last step's weights, in flight from here (the trainer's
+        in_flight.append(opt.gathering)  # order: after the step's blocking all-reduce)
         for loss in step_losses(model, buffer, batches, tokens,
                                 step == nan_step and rank == dp - 1):
             loss.backward()
@@ -140,16 +144,20 @@ def _worker(rank: int, dp: int, optimizer: str, nan_step: int | None = None,
         after_step.append(opt.gathering)
         traffic.append(dict(comm.TRAFFIC.wire_bytes))
         norms.append(opt.grad_norm)
+    comm.TRAFFIC.reset()
+    opt.wait_for_weights()  # the last step's all-gather, where the overlap left it to a wait
+    traffic_after = dict(comm.TRAFFIC.wire_bytes)
     full = opt.full_tensors()
     names = [n for g in _groups(model) for n, p in
              ((n, p) for n, p in model.named_parameters() if any(p is q for q in g["params"]))]
     return {"weights": {n: p.detach().float().clone() for n, p in model.named_parameters()},
             "full_weights": dict(zip(names, full["weights"], strict=True)),
             "exp_avg": dict(zip(names, full["state"].get("exp_avg", []), strict=False)),
-            "traffic": traffic, "norms": norms, "skipped": opt.skipped_steps,
+            "traffic": traffic, "traffic_after": traffic_after, "norms": norms,
+            "skipped": opt.skipped_steps,
             "params": sum(p.numel() for p in model.parameters()),
             "padding": buffer.padding, "buckets": len(buffer.buckets),
-            "after_step": after_step, "at_units": at_units,
+            "after_step": after_step, "in_flight": in_flight, "at_units": at_units,
             "unit_buckets": {name: sorted({buffer.offset(p)[0].index
                                            for p in module.parameters()})
                              for name, module in model.named_modules()
@@ -236,14 +244,17 @@ def test_state_dict_resumes_the_same_steps():
 
 @pytest.mark.multiprocess
 def test_weight_gather_overlaps_the_next_forward():
-    """bf16 weights at dp 2: the step returns with every bucket's all-gather in flight; in the
-    next forward each unit finds its own buckets waited for and the later units' still in
-    flight (the host waited for nothing more than the forward so far needed); the weights,
-    norms and bytes on the wire equal those of the step that waits, bit for bit."""
+    """bf16 weights at dp 2: the step returns with nothing issued, and `start_weight_gather`
+    (where the trainer calls it: at the next step, after its blocking all-reduce) leaves every
+    bucket's all-gather in flight; in the next forward each unit finds its own buckets waited
+    for and the later units' still in flight (the host waited for nothing more than the
+    forward so far needed); the weights, norms and bytes on the wire equal those of the step
+    that waits, bit for bit."""
     for waited, overlapped in run_distributed(_both_ways, 2, timeout=900):
         buckets = list(range(overlapped["buckets"]))
-        assert waited["after_step"] == [[]] * 3  # the control: nothing left in flight
-        assert overlapped["after_step"] == [buckets] * 3
+        assert waited["after_step"] == overlapped["after_step"] == [[]] * 3
+        assert waited["in_flight"] == [[]] * 3  # the control: nothing left in flight
+        assert overlapped["in_flight"] == [[]] + [buckets] * 2  # step 1 has none to gather
         seen = overlapped["at_units"]  # the last step's forward passes, unit by unit
         first = seen[0]
         assert first[0] == "rembert.embeddings", seen
@@ -254,7 +265,11 @@ def test_weight_gather_overlaps_the_next_forward():
             assert not set(own[name]) & set(pending), (name, pending)
         assert [p for n, p in seen if n == "mlm_head"][0] == []  # the head's bucket came last
         assert overlapped["norms"] == waited["norms"]
-        assert overlapped["traffic"] == waited["traffic"]
+        def total(r):  # the same bytes, the overlap's all-gather one step later
+            return sum((Counter(t) for t in r["traffic"] + [r["traffic_after"]]), Counter())
+
+        assert total(overlapped) == total(waited)
+        assert waited["traffic_after"] == {}
         for name, weight in waited["weights"].items():
             assert torch.equal(overlapped["weights"][name], weight), name
 
