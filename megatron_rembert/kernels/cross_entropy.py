@@ -329,7 +329,8 @@ def _backward_tiles(s: _Saved, tiling: Tiling, need: tuple[bool, bool, bool]
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, weights, vocab_start, n_valid,  # noqa: ANN001
-                reduce_max, reduce_sum, tiling, use_triton, keep_logits_gib, main_grads):
+                reduce_max, reduce_sum, tiling, use_triton, keep_logits_gib, main_grads,
+                on_added):
         stats = chunk_stats_triton if use_triton else chunk_stats_torch
         n, v_local = hidden.shape[0], weight.shape[0]
         f32 = dict(dtype=torch.float32, device=hidden.device)
@@ -356,7 +357,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # backward: exp(x - inf) = 0, so a weight-0 row's softmax is exactly 0
         lse = torch.where(active, lse, float("inf"))  # N
         ctx.save_for_backward(hidden, weight, bias, tgt, lse, active, kept)
-        ctx.meta = (vocab_start, n_valid, tiling, use_triton, main_grads)
+        ctx.meta = (vocab_start, n_valid, tiling, use_triton, main_grads, on_added)
         ctx.kept_consumed = False
         ctx.mark_non_differentiable(correct)
         return losses, correct
@@ -371,17 +372,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 "logits (keep_logits_gib > 0) would read their overwritten values; run that "
                 "forward with keep_logits_gib=0 to backward through it twice")
         hidden, weight, bias, tgt, lse, active, kept = ctx.saved_tensors
-        vocab_start, n_valid, tiling, use_triton, (into_weight, into_bias) = ctx.meta
+        vocab_start, n_valid, tiling, use_triton, (into_weight, into_bias), on_added = ctx.meta
         ctx.kept_consumed = kept.shape[0] > 0
         g = torch.where(active, grad_losses.float(), 0.0)  # N
         saved = _Saved(hidden, weight, bias, tgt, lse, g, kept, vocab_start, n_valid,
                        chunk_grad_triton_ if use_triton else chunk_grad_torch_,
                        into_weight, into_bias)
         grad_h, grad_w, grad_b = _backward_tiles(saved, tiling, ctx.needs_input_grad[:3])
+        if on_added is not None:
+            on_added()  # the main gradients hold this backward's part
         grad_hidden = grad_h.to(hidden.dtype) if grad_h is not None else None  # N x E
         # a gradient added into its main gradient is not returned (None: autograd adds nothing)
         grad_b = None if grad_b is None or into_bias is not None else grad_b.to(bias.dtype)
-        return grad_hidden, grad_w, grad_b, *([None] * 10)
+        return grad_hidden, grad_w, grad_b, *([None] * 11)
 
 
 def linear_cross_entropy(
@@ -398,6 +401,7 @@ def linear_cross_entropy(
     chunk_size: int | None = None,
     keep_logits_gib: float = 0.0,
     main_grads: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+    on_added: Callable[[], None] | None = None,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row softmax cross-entropy of `hidden @ weight.T + bias` over the global vocabulary.
@@ -427,6 +431,8 @@ def linear_cross_entropy(
             gradients, parallel/grad_buffer.py) into which backward adds grad_weight and
             grad_bias, summed in fp32 without a rounding to the weight's dtype; autograd then
             gets no gradient for that tensor. None (each): returned as usual.
+        on_added: called once backward has added into `main_grads` (the buffer's count of
+            those gradients: autograd, handed none, cannot be relied on to report them).
         backend: "auto" (CUDA -> Triton, CPU -> torch), "triton" or "torch".
 
     Returns:
@@ -473,5 +479,5 @@ def linear_cross_entropy(
     return _LinearCrossEntropy.apply(
         hidden, weight.contiguous(), bias, targets.long(), weights, int(vocab_start),
         int(n_valid), reduce_max, reduce_sum, tiling, use_triton,
-        float(keep_logits_gib) if grads else 0.0, tuple(main_grads),
+        float(keep_logits_gib) if grads else 0.0, tuple(main_grads), on_added,
     )

@@ -5,7 +5,9 @@ row added in): for RemBERT's 250k x 256 table that is 64M elements written per m
 whatever the number of tokens, and the trainer then adds all of them into its fp32 gradient
 buffer. `embedding_into_main_grad` adds each token's gradient row straight into that buffer
 (`main_grad`: fp32, V_local x E, set by parallel/grad_buffer.py) and hands autograd no gradient
-for the table: T x E work for T tokens, in fp32 from the first addition.
+for the table: T x E work for T tokens, in fp32 from the first addition. `on_added()` is called
+once the backward has added its rows: the buffer's count of the table's gradient, which
+autograd, handed none, cannot be relied on to report.
 
 The addition is deterministic on both devices: `index_add_` on CPU; on CUDA, where
 `index_add_` uses atomics (run-to-run differences in the last bit), `index_put_` with
@@ -13,6 +15,8 @@ The addition is deterministic on both devices: `index_add_` on CPU; on CUDA, whe
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -30,9 +34,9 @@ def add_rows_(main_grad: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) ->
 
 class _EmbeddingIntoMainGrad(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, ids, weight, main_grad, padding_idx):  # noqa: ANN001
+    def forward(ctx, ids, weight, main_grad, padding_idx, on_added):  # noqa: ANN001
         ctx.save_for_backward(ids)
-        ctx.main_grad, ctx.padding_idx = main_grad, padding_idx
+        ctx.main_grad, ctx.padding_idx, ctx.on_added = main_grad, padding_idx, on_added
         return F.embedding(ids, weight)  # ids.shape x E
 
     @staticmethod
@@ -43,14 +47,18 @@ class _EmbeddingIntoMainGrad(torch.autograd.Function):
         if ctx.padding_idx is not None:  # as F.embedding: the padding row takes no gradient
             rows = rows.masked_fill((flat == ctx.padding_idx).unsqueeze(1), 0.0)
         add_rows_(ctx.main_grad, flat, rows)
-        return None, None, None, None
+        if ctx.on_added is not None:
+            ctx.on_added()
+        return None, None, None, None, None
 
 
 def embedding_into_main_grad(ids: torch.Tensor, weight: torch.Tensor, main_grad: torch.Tensor,
-                             padding_idx: int | None = None) -> torch.Tensor:
+                             padding_idx: int | None = None,
+                             on_added: Callable[[], None] | None = None) -> torch.Tensor:
     """`F.embedding(ids, weight, padding_idx)` whose gradient for `weight` is added into
-    `main_grad` (same shape as weight, fp32) during backward instead of returned."""
+    `main_grad` (same shape as weight, fp32) during backward instead of returned; then
+    `on_added()`."""
     if main_grad.shape != weight.shape:
         raise ValueError(f"main_grad has shape {tuple(main_grad.shape)}, weight "
                          f"{tuple(weight.shape)}")
-    return _EmbeddingIntoMainGrad.apply(ids, weight, main_grad, padding_idx)
+    return _EmbeddingIntoMainGrad.apply(ids, weight, main_grad, padding_idx, on_added)

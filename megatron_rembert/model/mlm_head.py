@@ -46,10 +46,11 @@ def gather_positions(hidden: torch.Tensor, positions: torch.Tensor) -> torch.Ten
     return hidden.gather(1, index).reshape(-1, hidden.shape[-1])
 
 
-def _main_grad(param: torch.Tensor | None) -> torch.Tensor | None:
-    if param is None or not param.requires_grad:
-        return None
-    return getattr(param, "main_grad", None)
+def _summed_by_kernels(param: torch.Tensor | None) -> bool:
+    """Whether the trainer's gradient buffer has `param`'s gradient summed by the loss kernel
+    (parallel/grad_buffer.py: `main_grad`, and `main_grad_added` to report it)."""
+    return (param is not None and param.requires_grad
+            and getattr(param, "main_grad_added", None) is not None)
 
 
 class MLMHead(nn.Module):
@@ -87,11 +88,19 @@ class MLMHead(nn.Module):
             # Under the trainer's fp32 main gradients (parallel/grad_buffer.py) the output
             # embedding's gradient is summed straight into them: no V_local x E gradient in the
             # weight's dtype, no conversion afterwards.
-            main_grads = ((_main_grad(dec.weight), _main_grad(dec.bias))
-                          if torch.is_grad_enabled() else (None, None))
+            summed = [p for p in (dec.weight, dec.bias)
+                      if torch.is_grad_enabled() and _summed_by_kernels(p)]
+            main_grads = tuple(p.main_grad if any(p is q for q in summed) else None
+                               for p in (dec.weight, dec.bias))
+
+            def added() -> None:
+                for p in summed:
+                    p.main_grad_added()
+
             losses, correct = fused_vocab_parallel_linear_cross_entropy(
                 x, dec.weight, dec.bias, labels, weights, dec.vocab_start, dec.n_valid,
-                self.loss_chunk_rows, self.loss_keep_logits_gib, main_grads)
+                self.loss_chunk_rows, self.loss_keep_logits_gib, main_grads,
+                added if summed else None)
         else:
             logits = F.linear(x, dec.weight, dec.bias)  # N x V_local
             losses, correct = vocab_parallel_cross_entropy(logits, labels, weights,

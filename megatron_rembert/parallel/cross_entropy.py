@@ -16,6 +16,8 @@ masked with `torch.where` to loss 0, gradient 0, never correct, whatever their t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -87,7 +89,8 @@ def fused_vocab_parallel_linear_cross_entropy(
         hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         targets: torch.Tensor, weights: torch.Tensor, vocab_start: int, n_valid: int,
         chunk_size: int | None = None, keep_logits_gib: float = 0.0,
-        main_grads: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+        main_grads: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+        on_added: Callable[[], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Output projection + cross-entropy for this vocabulary shard, without holding all logits.
 
@@ -96,10 +99,10 @@ def fused_vocab_parallel_linear_cross_entropy(
     weights: N (rows with 0 give loss 0, gradient 0, never correct). chunk_size: most rows per
     chunk (None: the device's tiling); keep_logits_gib: GiB of forward logits kept for
     backward instead of recomputed (see `linear_cross_entropy`); main_grads: fp32 buffers that
-    backward adds grad_weight / grad_bias into instead of returning them. Returns (losses N
-    fp32, correct N bool).
+    backward adds grad_weight / grad_bias into instead of returning them, then calls
+    `on_added()`. Returns (losses N fp32, correct N bool).
     """
     return linear_cross_entropy(hidden, weight, bias, targets, weights, vocab_start=vocab_start,
                                 n_valid=n_valid, reduce_max=_reduce_max, reduce_sum=_reduce_sum,
                                 chunk_size=chunk_size, keep_logits_gib=keep_logits_gib,
-                                main_grads=main_grads)
+                                main_grads=main_grads, on_added=on_added)

@@ -11,11 +11,16 @@ Layout (one buffer pair per parameter dtype, in the order the dtypes first appea
   parameter's dtype, each parameter's `.data` a view of it (the optimizer's all-gather writes
   the stepped weights straight into the parameters).
 
-Accumulation: the kernels that can add in fp32 themselves (kernels/embedding.py, the fused
-MLM loss of kernels/cross_entropy.py) add into `param.main_grad` when it exists and hand
-autograd no gradient; for every other parameter a post-accumulate-grad hook (torch's public
-`register_post_accumulate_grad_hook`) adds `param.grad` into `main_grad` and frees it. Autograd
-runs the hook for the kernels' parameters too (with `grad` None), after their backward.
+Accumulation: for every parameter a post-accumulate-grad hook (torch's public
+`register_post_accumulate_grad_hook`) adds `param.grad` into `main_grad` and frees it. The
+parameters declared `summed_by_kernels` are the exception: their kernels (kernels/embedding.py,
+the fused MLM loss of kernels/cross_entropy.py) add into `param.main_grad` themselves, hand
+autograd no gradient, and call `param.main_grad_added()` when a backward pass has added its
+part; the layers use those kernels only for a parameter that has `main_grad_added`. That call,
+not autograd, tells the buffer such a gradient is in: whether AccumulateGrad runs the hook for
+an undefined gradient differs between torch versions, so a hook that finds no gradient counts
+for nothing, and one that finds a gradient on a kernel-summed parameter is an error (it would
+bypass the count).
 
 Reduction: `expect(passes)` before the first of the step's backward passes (its micro-batches on
 this rank; at pp > 1 those the pipeline schedule runs on this stage) arms it. From then on a
@@ -86,6 +91,19 @@ def weak_method(method):
     return call
 
 
+def _weak_call(call, param):
+    """`call(param)` as a function of no arguments that holds `param` weakly (the parameter
+    carries it)."""
+    ref = weakref.ref(param)
+
+    def added() -> None:
+        p = ref()
+        if p is not None:
+            call(p)
+
+    return added
+
+
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -128,13 +146,16 @@ class DtypeGroup:
 class GradBuffer:
     """Gradient buffers of `params` (those that require a gradient), reduced over `dp_group`
     (default: the parallel state's DP group; None without one: every rank of the world).
+    `summed_by_kernels`: the parameters whose kernels add their gradient themselves, each as
+    often as kernels add into it per backward pass (see the module docstring).
 
     reduce: "sum" (the loss is scaled for the global batch already) or "mean" (the DP
     ranks' gradients are averaged)."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], dp_group=None,
                  bucket_elements: int = DEFAULT_BUCKET_ELEMENTS, reduce: str = "sum",
-                 wire_dtype: torch.dtype = torch.float32):
+                 wire_dtype: torch.dtype = torch.float32,
+                 summed_by_kernels: Iterable[torch.nn.Parameter] = ()):
         if reduce not in REDUCE_OPS:
             raise ValueError(f"reduce={reduce!r}: one of {', '.join(REDUCE_OPS)}")
         if wire_dtype not in WIRE_DTYPES:
@@ -169,6 +190,16 @@ class GradBuffer:
         # the trainer are gone.
         on_grad = weak_method(self._on_grad)
         self._hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in unique.values()]
+        # parameter id -> the kernel calls that add its gradient in one backward pass (two for
+        # a table tied between the input embedding and the output projection)
+        self._kernel_calls: dict[int, int] = {}
+        for p in summed_by_kernels:
+            if id(p) not in unique:
+                raise ValueError("GradBuffer: a parameter summed by kernels must be one of the "
+                                 "buffer's parameters that require a gradient")
+            self._kernel_calls[id(p)] = self._kernel_calls.get(id(p), 0) + 1
+            p.main_grad_added = _weak_call(weak_method(self._on_kernel_added), p)
+        self._kernel_left: dict[int, int] = {}  # calls still to come in this backward pass
         self._armed = False
         self._passes_left: dict[int, int] = {}  # per parameter: backward passes still to come
         self._next = 0  # the next bucket to start
@@ -218,6 +249,29 @@ class GradBuffer:
         self._names[id(param)] = name
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
+        """autograd's post-accumulate hook: the pass's gradient of `param` is in `.grad`."""
+        if param.grad is None:  # some torch versions call it for an undefined gradient
+            return
+        if id(param) in self._kernel_calls:
+            raise RuntimeError(f"{self._names[id(param)]} is summed into its main gradient by "
+                               "kernels, yet autograd handed it a gradient: it would reach "
+                               "its bucket without being counted")
+        self._arrived(param)
+        param.main_grad.add_(param.grad)
+        param.grad = None
+        self._counted(param)
+
+    def _on_kernel_added(self, param: torch.nn.Parameter) -> None:
+        """A kernel added its part of a backward pass into `param.main_grad`."""
+        self._arrived(param)
+        left = self._kernel_left.get(id(param), self._kernel_calls[id(param)]) - 1
+        if left > 0:
+            self._kernel_left[id(param)] = left
+            return
+        self._kernel_left.pop(id(param), None)
+        self._counted(param)
+
+    def _arrived(self, param: torch.nn.Parameter) -> None:
         self._used.add(id(param))
         self.clean = False
         if self._armed and id(param) in self._unused:
@@ -227,9 +281,9 @@ class GradBuffer:
                     f"{self._names[id(param)]} got a gradient after its bucket's "
                     "reduce-scatter started: it had none in the previous step. Set "
                     "requires_grad=False on parameters the model does not always use")
-        if param.grad is not None:  # None: a kernel added into main_grad itself
-            param.main_grad.add_(param.grad)
-            param.grad = None
+
+    def _counted(self, param: torch.nn.Parameter) -> None:
+        """One backward pass's gradient of `param` is complete."""
         if self._armed:
             left = self._passes_left.get(id(param), 0) - 1
             self._passes_left[id(param)] = left
@@ -310,12 +364,16 @@ class GradBuffer:
             g.grads.zero_()
         for p in self.params():
             p.grad = None
+        self._kernel_left.clear()
         self.clean = True
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        for p in self.params():
+            if id(p) in self._kernel_calls:
+                del p.main_grad_added
 
     @property
     def padding(self) -> int:

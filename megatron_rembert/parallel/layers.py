@@ -115,13 +115,14 @@ class VocabParallelEmbedding(nn.Module):
         self.local_padding_idx = local_pad
 
     def _lookup(self, local_ids: torch.Tensor) -> torch.Tensor:
-        """Rows of this shard. Under the trainer's fp32 main gradients (parallel/grad_buffer.py)
-        backward adds each token's row into `weight.main_grad` (tokens x E work) instead of
-        producing a dense V_local x E gradient."""
-        main_grad = getattr(self.weight, "main_grad", None)
-        if main_grad is not None and torch.is_grad_enabled() and self.weight.requires_grad:
-            return embedding_into_main_grad(local_ids, self.weight, main_grad,
-                                            self.local_padding_idx)
+        """Rows of this shard. Where the trainer's fp32 gradient buffer (parallel/grad_buffer.py)
+        has the table summed by kernels (`main_grad_added`), backward adds each token's row
+        into `weight.main_grad` (tokens x E work) instead of producing a dense V_local x E
+        gradient, and reports it."""
+        added = getattr(self.weight, "main_grad_added", None)
+        if added is not None and torch.is_grad_enabled() and self.weight.requires_grad:
+            return embedding_into_main_grad(local_ids, self.weight, self.weight.main_grad,
+                                            self.local_padding_idx, added)
         return F.embedding(local_ids, self.weight, self.local_padding_idx)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -44,9 +44,25 @@ def applies(config: Config) -> bool:
 def summed_by_kernels(model_config) -> tuple[str, ...]:
     """Names (suffixes) of the parameters whose gradients kernels add into `main_grad`
     themselves: the input embedding (parallel/layers.py) and, with the fused loss, the output
-    embedding and its bias (model/mlm_head.py). Autograd hands no gradient for them."""
+    embedding and its bias (model/mlm_head.py). Autograd hands no gradient for them; the
+    kernels report each addition to the buffer (parallel/grad_buffer.py)."""
     head = (("decoder.weight", "decoder.bias") if model_config.loss_backend == "fused" else ())
     return ("word_embeddings.weight", *head)
+
+
+def kernel_summed(named_params: list[tuple[str, torch.nn.Parameter]], model_config
+                  ) -> list[torch.nn.Parameter]:
+    """The parameters of `named_params` (a model's, deduplicated) whose gradients kernels add,
+    each as often as kernels add into it per backward pass: GradBuffer's `summed_by_kernels`.
+    A table tied between the input embedding and the output projection is named once, yet
+    both kernels add into it in every pass."""
+    suffixes = summed_by_kernels(model_config)
+    out = [p for name, p in named_params if p.requires_grad
+           for suffix in suffixes if name.endswith(suffix)]
+    if model_config.tie_embeddings and model_config.loss_backend == "fused":
+        out += [p for name, p in named_params
+                if p.requires_grad and name.endswith("word_embeddings.weight")]
+    return out
 
 
 def engine_settings(ds: dict) -> dict:
@@ -69,7 +85,8 @@ def build(named_params: list[tuple[str, torch.nn.Parameter]], config: Config
     the device) and the distributed optimizer over them."""
     params = [p for _, p in named_params]
     buffer = GradBuffer(params, bucket_elements=config.parallel.grad_bucket_elements,
-                        wire_dtype=DTYPES[config.parallel.grad_reduce_dtype])
+                        wire_dtype=DTYPES[config.parallel.grad_reduce_dtype],
+                        summed_by_kernels=kernel_summed(named_params, config.model))
     for name, p in named_params:
         if p.requires_grad:
             buffer.name(p, name)

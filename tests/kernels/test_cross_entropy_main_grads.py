@@ -70,16 +70,18 @@ def test_main_grads_add_up_over_micro_batches():
 
 
 def test_mlm_head_uses_its_decoder_main_grads():
-    """A head whose decoder carries main gradients (as the trainer attaches them) sums into
-    them; the decoder's .grad stays empty; the other parameters are unaffected."""
+    """A head whose decoder carries main gradients and their reports (as the trainer's buffer
+    attaches them) sums into them and reports each; the decoder's .grad stays empty; the
+    other parameters are unaffected."""
     config = small_config()
-    heads = []
+    heads, reports = [], []
     for with_main in (False, True):
         head = MLMHead(config)
         init_weights(head, 1, config.initializer_range)
         if with_main:
             for p in (head.decoder.weight, head.decoder.bias):
                 p.main_grad = torch.zeros(p.shape, dtype=torch.float32)
+                p.main_grad_added = lambda p=p: reports.append(float(p.main_grad.abs().sum()))
         g = torch.Generator().manual_seed(0)
         hidden = torch.randn(12, config.hidden_size, generator=g)
         labels = torch.randint(0, config.vocab_size, (12,), generator=g)
@@ -87,6 +89,7 @@ def test_mlm_head_uses_its_decoder_main_grads():
         out.loss_sum.backward()
         heads.append(head)
     plain, main = heads
+    assert len(reports) == 2 and min(reports) > 0  # each reported once, after its addition
     assert main.decoder.weight.grad is None and main.decoder.bias.grad is None
     assert torch.equal(main.decoder.weight.main_grad, plain.decoder.weight.grad)
     assert torch.equal(main.decoder.bias.main_grad, plain.decoder.bias.grad)

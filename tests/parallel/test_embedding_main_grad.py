@@ -43,10 +43,16 @@ def _grad_out(seed: int, dtype) -> torch.Tensor:
 
 
 def _main_grad_run(dtype, micro_batches: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """As the trainer's gradient buffer sets the table up: its main gradient and the report
+    of each backward's addition (counted here: one per backward)."""
     emb = _embedding(dtype)
     emb.weight.main_grad = torch.zeros(emb.weight.shape, dtype=torch.float32)
+    reports = []
+    emb.weight.main_grad_added = lambda: reports.append(emb.weight.main_grad.sum().item())
     for mb in range(micro_batches):
         emb(_ids(mb)).backward(_grad_out(mb, dtype))
+    # reported once per backward, after its rows were added (the sum had changed each time)
+    assert len(reports) == micro_batches and len(set(reports)) == micro_batches
     return emb.weight.main_grad, emb.weight.grad
 
 

@@ -56,7 +56,8 @@ def reference_grads(dp: int, gas: int, ranks=None) -> dict[str, torch.Tensor]:
 def test_layout_views_and_accumulation():
     net = Net()
     before = {n: p.detach().clone() for n, p in net.named_parameters()}
-    buf = GradBuffer(net.parameters(), bucket_elements=WIDTH * WIDTH + WIDTH)
+    buf = GradBuffer(net.parameters(), summed_by_kernels=[net.embed.weight],
+                     bucket_elements=WIDTH * WIDTH + WIDTH)
     params = list(net.parameters())
     assert buf.params() == params[::-1]  # reverse registration order
     for n, p in net.named_parameters():
@@ -84,7 +85,7 @@ def test_the_hooks_do_not_keep_the_buffer_alive():
     import weakref
 
     net = Net()
-    buf = GradBuffer(net.parameters())
+    buf = GradBuffer(net.parameters(), summed_by_kernels=[net.embed.weight])
     gone = weakref.ref(buf)
     del buf
     gc.collect()
@@ -105,7 +106,8 @@ def _reduce_worker(rank: int, world_size: int, gas: int, reduce: str, overlap: b
     from megatron_rembert.parallel import comm
 
     net = Net()
-    buf = GradBuffer(net.parameters(), dp_group=torch.distributed.group.WORLD,
+    buf = GradBuffer(net.parameters(), summed_by_kernels=[net.embed.weight],
+                     dp_group=torch.distributed.group.WORLD,
                      bucket_elements=WIDTH * WIDTH + WIDTH, reduce=reduce,
                      wire_dtype=wire_dtype)
     events: list[str] = []
@@ -199,7 +201,8 @@ def test_first_bucket_starts_during_the_last_backward():
 
 def test_a_gradient_after_its_bucket_started_fails_naming_the_parameter():
     net = Net()
-    buf = GradBuffer(net.parameters(), bucket_elements=1)  # a bucket per parameter
+    buf = GradBuffer(net.parameters(), summed_by_kernels=[net.embed.weight],
+                     bucket_elements=1)  # a bucket per parameter
     buf.name(net.unused.weight, "unused.weight")
     buf.name(net.unused.bias, "unused.bias")
     ids = batches(0, 1)[0]
@@ -217,7 +220,8 @@ def test_buckets_start_once_every_expected_pass_is_in(expected, passes):
     once per expected backward pass; told of more passes than ran, every bucket waits for
     finish(). The first step learns which parameter takes no part."""
     net = Net()
-    buf = GradBuffer(net.parameters(), bucket_elements=1)  # a bucket per parameter
+    buf = GradBuffer(net.parameters(), summed_by_kernels=[net.embed.weight],
+                     bucket_elements=1)  # a bucket per parameter
     for _ in range(2):
         buf.zero()
         buf.expect(expected)

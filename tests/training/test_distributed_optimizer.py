@@ -104,12 +104,15 @@ def _worker(rank: int, dp: int, optimizer: str, nan_step: int | None = None,
 
     from megatron_rembert.parallel import comm
     from megatron_rembert.parallel.grad_buffer import GradBuffer
+    from megatron_rembert.training.data_parallel import kernel_summed
     from megatron_rembert.training.distributed_optimizer import DistributedOptimizer
 
     def build():
         model, config = _model(dtype)
         buffer = GradBuffer(model.parameters(), dp_group=dist.group.WORLD,
-                            bucket_elements=BUCKET, wire_dtype=wire_dtype)
+                            bucket_elements=BUCKET, wire_dtype=wire_dtype,
+                            summed_by_kernels=kernel_summed(
+                                list(model.named_parameters()), config.model))
         opt = DistributedOptimizer(buffer, _groups(model), _make(optimizer), clip_grad=CLIP)
         if overlap:
             opt.overlap_weight_gather(model, GATHER_UNITS)
