@@ -40,7 +40,7 @@ GIB = 2**30
 SEQ, MICRO, GLOBAL = 128, 1, 4
 TRAIN_KEYS = [
     "parallel.tp=2", "parallel.pp=2", "parallel.zero_stage=1",
-    f"parallel.ds_config={ROOT / 'ds_configs' / 'cpu_fp32.json'}", "train.precision=fp32",
+    "train.precision=fp32",
     f"data.seq_length={SEQ}", "data.allow_larger_vocab=true",
     f"train.micro_batch_size={MICRO}", f"train.global_batch_size={GLOBAL}",
     "train.steps=3", "train.save_interval=2", "train.keep_last=2", "train.eval_interval=0",

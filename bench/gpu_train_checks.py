@@ -1,9 +1,9 @@
 """train.py on a GPU, checked against itself: resume after SIGTERM, and TP and PP against one
-process, with the configuration users run (bf16, ds_configs/zero1_bf16.json, accumulation).
+process, with the configuration users run (bf16, accumulation).
 
     python -m bench.gpu_train_checks [--steps 20] [--signal-at 10] [--work DIR] [--workers 1]
 
-1. One GPU, NCCL (world size 1): configs/tiny.yaml in bf16 with ds_configs/zero1_bf16.json, 4
+1. One GPU, NCCL (world size 1): configs/tiny.yaml in bf16, 4
    micro-batches per step, `--steps` steps; then the same run stopped by SIGTERM after step
    `--signal-at` and resumed: the losses must equal the uninterrupted run's.
 2. tp = 2 and pp = 2 on two processes against the one-process run: losses within bf16
@@ -136,7 +136,6 @@ def main(argv: list[str] | None = None) -> None:
     data, tokenizer = make_dataset(work)
     sets = {"data.path": data, "data.tokenizer": tokenizer, "data.seq_length": 64,
             "data.num_workers": args.workers, "train.precision": "bf16",
-            "parallel.ds_config": ROOT / "ds_configs" / "zero1_bf16.json",
             "train.steps": args.steps, "train.global_batch_size": 16,
             "train.micro_batch_size": 4, "train.log_interval": 1, "train.eval_interval": 0,
             "train.save_interval": 0, "optim.warmup_steps": 2, "parallel.timeout_minutes": 5}

@@ -292,8 +292,9 @@ def time_head(dtype: torch.dtype, micro: int, predictions: int, chunks: list[int
     print(f"  one Transformer layer          {layer_ms:>9.2f} ms")
     head = MLMHead(config).to(device, dtype)
     init_weights(head, 0, config.initializer_range, "mlm_head.")
-    for param in (head.decoder.weight, head.decoder.bias):
+    for param in (head.decoder.weight, head.decoder.bias):  # as the trainer's buffer sets up
         param.main_grad = torch.zeros(param.shape, dtype=torch.float32, device=device)
+        param.main_grad_added = lambda: None
     inputs = [torch.randn(n, hid, device=device, dtype=dtype, requires_grad=True),
               *head.parameters()]  # N x H, then the head's parameters (fresh grads each step)
     labels = torch.randint(0, config.vocab_size, (n,), device=device)  # N

@@ -7,9 +7,9 @@ same batches, same process, measured side by side:
   ours-model RemBertForPreTraining (head and loss only at masked positions, fused chunked
              linear + cross-entropy) with the same default torch.optim.AdamW: the model alone
   ours       the same with our optimizer (training.optim.build_optimizer: fused AdamW)
-  ours+ds    the trainer's real step: DeepSpeed engine (1 gloo rank, fp32, ZeRO-1 with
-             ds_configs/cpu_fp32.json, as configs/demo.yaml and tiny.yaml train) around
-             ours, on the trainer's fp32 main-gradient path (parallel/grad_buffer.py).
+  ours+ds    the trainer's real step: DeepSpeed engine (1 gloo rank, fp32, as
+             configs/demo.yaml and tiny.yaml train) around ours, on the trainer's gradient
+             path (parallel/grad_buffer.py, training/distributed_optimizer.py).
 The ratio ours / hf is printed last.
 
 On a GPU it also reports tokens/s, TFLOP/s and MFU of the `rembert` preset (bf16, our model and
@@ -17,11 +17,10 @@ torch's fused AdamW), with attention on the flash path (unpadded batches: SDPA w
 and on the masked path (the all-ones mask passed on, as before the flash path), and their
 ratio. `--gpu-only` skips the CPU comparison; that part needs only torch and
 triton (no DeepSpeed, transformers or PyYAML), so it runs on a bare GPU image. `--trainer`
-measures the trainer's real step instead (DeepSpeed, bf16 + ds_configs/zero1_bf16.json,
-gradient accumulation, one GPU), with its peak memory against train.py --dry-run's estimate.
-`--engine` measures what the engine costs: the trainer's step (training.engine.Trainer with the
-production DeepSpeed config of the precision: bf16 + zero1_bf16.json, or fp32 + cpu_fp32.json)
-against the bare model + torch's fused AdamW (after clipping the gradient as the trainer
+measures the trainer's real step instead (DeepSpeed, bf16, gradient accumulation, one GPU),
+with its peak memory against train.py --dry-run's estimate. `--engine` measures what the engine
+costs: the trainer's step (training.engine.Trainer in the precision given) against the bare
+model + torch's fused AdamW (after clipping the gradient as the trainer
 does) on the same batches, at each accumulation in `--engine-gas`, with the parts of the bare
 step (forward + backward per micro-batch, optimizer).
 
@@ -135,7 +134,6 @@ def deepspeed_step_time(config: ModelConfig, batches: list[dict]) -> float:
     run = Config(model=config, train=TrainConfig(global_batch_size=b, micro_batch_size=b,
                                                   precision="fp32", seed=0))
     run.optim.lr, run.optim.warmup_steps, run.parallel.zero_stage = 1e-4, 1, 1
-    run.parallel.ds_config = str(ROOT / "ds_configs" / "cpu_fp32.json")
     plan = RunPlan.build(run, 1)  # one process, one micro-batch per step
     state.initialize_model_parallel(plan.layout)
     trainer = Trainer(run, plan, device=torch.device("cpu"))
@@ -192,8 +190,7 @@ def bare_step_time(config: ModelConfig, dtype: torch.dtype, mixed: bool,
 
 
 def engine_run_config(config: ModelConfig, precision: str, micro: int, gas: int, seq: int):
-    """The trainer's run config for the engine bench: the production DeepSpeed config of
-    `precision` (bf16 + zero1_bf16.json, fp32 + cpu_fp32.json), ZeRO-1, one process, `gas`
+    """The trainer's run config for the engine bench: `precision`, one process, `gas`
     micro-batches of `micro` x `seq` per step."""
     from megatron_rembert.run_config.schema import Config, TrainConfig
 
@@ -201,8 +198,6 @@ def engine_run_config(config: ModelConfig, precision: str, micro: int, gas: int,
         global_batch_size=micro * gas, micro_batch_size=micro, precision=precision, seed=0))
     run.data.seq_length = seq
     run.optim.lr, run.optim.warmup_steps, run.parallel.zero_stage = 1e-4, 1, 1
-    json_name = "zero1_bf16.json" if precision == "bf16" else "cpu_fp32.json"
-    run.parallel.ds_config = str(ROOT / "ds_configs" / json_name)
     return run
 
 
@@ -346,10 +341,9 @@ def preset_throughput(preset: str, batch: int, seq: int, steps: int,
 
 
 def trainer_throughput(preset: str, micro: int, gas: int, seq: int, steps: int) -> dict:
-    """The trainer's real step on this one process: DeepSpeed with bf16 and
-    ds_configs/zero1_bf16.json, `gas` micro-batches of `micro` x `seq` per step, on the GPU with
-    NCCL (else the CPU with gloo). tokens/s, model TFLOP/s, MFU, peak memory, and the memory
-    `train.py --dry-run` estimates for this layout."""
+    """The trainer's real step on this one process: DeepSpeed with bf16, `gas` micro-batches
+    of `micro` x `seq` per step, on the GPU with NCCL (else the CPU with gloo). tokens/s, model
+    TFLOP/s, MFU, peak memory, and the memory `train.py --dry-run` estimates for this layout."""
     from megatron_rembert.parallel import state
     from megatron_rembert.run_config.load import load_config
     from megatron_rembert.training.distributed import setup_distributed
@@ -360,7 +354,6 @@ def trainer_throughput(preset: str, micro: int, gas: int, seq: int, steps: int) 
 
     config = load_config(ROOT / "configs" / "rembert.yaml", [
         f"model.preset={preset}", "parallel.tp=1", "parallel.pp=1",
-        f"parallel.ds_config={ROOT / 'ds_configs' / 'zero1_bf16.json'}",
         f"train.micro_batch_size={micro}", f"train.global_batch_size={micro * gas}",
         f"data.seq_length={seq}", "optim.warmup_steps=1"])
     _, _, device = setup_distributed(launch_env(default_port=29592),

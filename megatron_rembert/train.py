@@ -81,9 +81,9 @@ def _main(argv: list[str] | None, stop: StopFlag) -> int:
     # Every check that needs no world size, before torch.distributed, DeepSpeed or the model.
     data_plan = check_settings(config)
     if config.parallel.ds_config:  # read and checked here, --dry-run included
-        from megatron_rembert.training.optim import load_ds_config
+        from megatron_rembert.training.ds_config import load_ds_config
 
-        load_ds_config(config.parallel.ds_config)
+        load_ds_config(config)
     if config.train.wandb_project and importlib.util.find_spec("wandb") is None:
         raise ConfigError(f"train.wandb_project={config.train.wandb_project}: wandb is not "
                           "installed; pip install wandb, or leave train.wandb_project empty")

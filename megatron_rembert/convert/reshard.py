@@ -27,7 +27,7 @@ from megatron_rembert.convert.files import (
     staged_output,
 )
 from megatron_rembert.convert.tensor_check import check_checkpoint
-from megatron_rembert.run_config.schema import PIPELINE_ZERO_STAGE
+from megatron_rembert.run_config.schema import ZERO_STAGE
 
 
 def reshard(checkpoint: str, out: str, tp: int | None, pp: int | None, force: bool,
@@ -44,9 +44,7 @@ def reshard(checkpoint: str, out: str, tp: int | None, pp: int | None, force: bo
         specs = param_specs(reader.model, 1)
         config = copy.deepcopy(reader.meta["config"])
         parallel = config.setdefault("parallel", {})
-        parallel["tp"], parallel["pp"] = tp, pp
-        if pp > 1:
-            parallel["zero_stage"] = PIPELINE_ZERO_STAGE
+        parallel["tp"], parallel["pp"], parallel["zero_stage"] = tp, pp, ZERO_STAGE
         meta = {"config": config, "tokenizer_sha256": reader.meta.get("tokenizer_sha256"),
                 "dataset_sha256": reader.meta.get("dataset_sha256"),
                 "layout": {"tp": tp, "pp": pp, "dp": None},

@@ -79,6 +79,10 @@ def lay_out(sizes: list[int], bucket_elements: int, dp: int
     return starts, bounds
 
 
+class ForeignGradient(RuntimeError):
+    """A parameter of the buffer got a gradient outside it."""
+
+
 def weak_method(method):
     """`method` of an object, called only while the object lives."""
     ref = weakref.WeakMethod(method)
@@ -336,7 +340,17 @@ class GradBuffer:
 
     def finish(self) -> None:
         """Start what has not started, in order, and wait for every bucket: this rank's
-        shards hold the reduced gradients."""
+        shards hold the reduced gradients. Fails (ForeignGradient) if a parameter holds a
+        `.grad`: the hooks free every gradient they add, so one left there came another way
+        (an engine's own gradient reduction fills every parameter's) and is not in the
+        buffers."""
+        foreign = [self._names[id(p)] for p in self.params() if p.grad is not None]
+        if foreign:
+            raise ForeignGradient(
+                f"{foreign[0]} (and {len(foreign) - 1} more) hold a .grad when the step "
+                "reduces the gradient buffers: something other than the buffer's hooks "
+                "produced it (an engine's own gradient reduction fills every parameter's), "
+                "and the buffers' reduction would leave it out")
         start = self._next if self._armed else 0
         self.started_in_finish = len(self.buckets) - start
         for b in self.buckets[start:]:

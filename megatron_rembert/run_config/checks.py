@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from megatron_rembert.config import ConfigError, check_buildable, check_choice
 from megatron_rembert.fs import unwritable_reason
-from megatron_rembert.run_config.schema import CHOICES, PIPELINE_ZERO_STAGE, RANGES, Config
+from megatron_rembert.run_config.schema import CHOICES, RANGES, ZERO_STAGE, Config
 
 if TYPE_CHECKING:
     from megatron_rembert.data.schedule import DataPlan
@@ -81,10 +81,16 @@ def check_paths(config: Config) -> None:
             raise ConfigError(f"{key}={text}: {reason}; point {key} at a writable folder")
 
 
-def owns_gradient_path(config: Config) -> bool:
-    """Whether a run's DP gradients take our path (training/data_parallel.py): ZeRO-1 in bf16
-    or fp32; fp16 (its loss scale) and ZeRO-2 keep DeepSpeed's own."""
-    return config.parallel.zero_stage == 1 and config.train.precision in ("bf16", "fp32")
+# Why the other ZeRO stages are refused (schema.ZERO_STAGE is the one).
+ZERO_STAGE_REFUSED = {
+    0: "parallel.zero_stage=0: every run shards the optimizer state over DP (ZeRO-1): the same "
+       "bytes on the wire as an all-reduce, 1/dp of the optimizer's memory, and at dp = 1 the "
+       "same as no ZeRO; set parallel.zero_stage=1",
+    2: "parallel.zero_stage=2: gradients are not sharded; every run keeps whole fp32 gradient "
+       "buffers and shards the optimizer state (ZeRO-1, as Megatron-Core's distributed "
+       "optimizer): 4 bytes per parameter more than ZeRO-2 at large dp, overlapped with "
+       "backward; set parallel.zero_stage=1",
+}
 
 
 def check_config(config: Config) -> DataPlan:
@@ -95,25 +101,8 @@ def check_config(config: Config) -> DataPlan:
     check_ranges(config)
     par, train = config.parallel, config.train
     check_buildable(config.model, par.tp, par.pp)
-    if par.pp > 1 and par.zero_stage != PIPELINE_ZERO_STAGE:
-        raise ConfigError(f"parallel.zero_stage={par.zero_stage} with parallel.pp={par.pp}: "
-                          f"pipeline parallelism needs zero_stage={PIPELINE_ZERO_STAGE} "
-                          "(DeepSpeed's pipeline engine has no ZeRO-2, and clips gradients "
-                          "wrongly without ZeRO)")
-    if train.precision != "fp32" and par.zero_stage == 0:
-        # DeepSpeed (0.19) without ZeRO: bf16 cannot keep fp32 gradient accumulation, and its
-        # fp16 wrapper does not multiply the loss by the loss scale in engine.backward yet
-        # divides the gradients by it, takes one Adam step on zero gradients when built, and
-        # leaves tensor-parallel shards out of the clipping norm. The ZeRO optimizers have none
-        # of these faults (tests/training/test_fp16.py compares fp16 with fp32).
-        raise ConfigError(f"train.precision={train.precision} needs parallel.zero_stage=1 or 2 "
-                          "(DeepSpeed keeps fp32 master weights, gradients and a correct loss "
-                          "scale only in its ZeRO optimizers); zero_stage=0 is for fp32")
-    if par.grad_reduce_dtype != "fp32" and not owns_gradient_path(config):
-        raise ConfigError(f"parallel.grad_reduce_dtype={par.grad_reduce_dtype} needs our "
-                          "gradient path (parallel.zero_stage=1 with train.precision bf16 or "
-                          f"fp32); this run has zero_stage={par.zero_stage}, precision="
-                          f"{train.precision} (DeepSpeed's own reduction): set it to fp32")
+    if par.zero_stage != ZERO_STAGE:
+        raise ConfigError(ZERO_STAGE_REFUSED[par.zero_stage])
     if train.fp8:
         check_fp8(config)
     if config.eval.retrieval_path:

@@ -32,26 +32,28 @@ from megatron_rembert.data.config import DataConfig
 class ParallelConfig:
     tp: int = setting(1, help="tensor-parallel size (ranks adjacent, one node)")
     pp: int = setting(1, help="pipeline stages; > 1 runs DeepSpeed's PipelineModule (1F1B)")
-    zero_stage: int = setting(1,
-                              help="ZeRO stage 1 or 2; 0 only for fp32 with pp = 1; pp > 1 needs 1")
+    zero_stage: int = setting(1, help=(
+        "1: the optimizer state (fp32 masters, moments) sharded over DP, Megatron-Core's "
+        "distributed optimizer; 0 and 2 are refused (say why)"))
     ds_config: str = setting(
         "",
         help=(
-            "JSON with further DeepSpeed knobs (buckets, loss scaler); optional"))
+            "JSON with DeepSpeed's own services (timers, profiler, monitors) and fp16's loss "
+            "scale; keys that do nothing here are refused; optional"))
     grad_bucket_elements: int = setting(
         40_000_000,
-        help=("elements per gradient bucket (ZeRO-1 in bf16/fp32): each bucket's DP "
-              "reduce-scatter starts as soon as backward has produced its gradients"))
+        help=("elements per gradient bucket: each bucket's DP reduce-scatter starts as soon "
+              "as backward has produced its gradients"))
     grad_reduce_dtype: str = setting(
         "fp32",
-        help=("ZeRO-1 in bf16/fp32: what the DP gradient reduction sends: fp32 (a "
+        help=("what the DP gradient reduction sends: fp32 (a "
               "reduce-scatter), or bf16 summed in fp32 on arrival (an all-to-all: 4 instead of "
               "6 bytes per parameter on the wire per step, each rank's gradient rounded to "
               "bf16 once; 4 bytes per parameter of transient buffers)"))
     overlap_weight_gather: bool = setting(
         True,
-        help=("ZeRO-1 in bf16/fp32: the step returns with the weights' DP all-gather in "
-              "flight; each layer's forward waits for its own bucket only"))
+        help=("the weights' DP all-gather runs during the next step's forward (issued at its "
+              "start, after its blocking all-reduce); each layer waits for its own bucket only"))
     activation_checkpointing: bool = setting(False,
                                              help="recompute each Transformer layer in backward")
     stage_memory_gib: float = setting(
@@ -226,8 +228,8 @@ RANGES: dict[str, Range] = {
     **{f"model.{name}": allowed for name, allowed in MODEL_RANGES.items()},
     "parallel.tp": AT_LEAST_1,
     "parallel.pp": AT_LEAST_1,
+    "parallel.zero_stage": Range(0, 2),  # 0 and 2 pass here, to be refused saying why
     "parallel.grad_bucket_elements": AT_LEAST_1,
-    "parallel.zero_stage": Range(0, 2),
     "parallel.timeout_minutes": POSITIVE,
     "parallel.stage_memory_gib": AT_LEAST_0,
     "data.seq_length": Range(3),  # [CLS], one token, [SEP]
@@ -276,9 +278,7 @@ CHOICES: dict[str, tuple] = {
     "train.precision": ("fp32", "bf16", "fp16"),
 }
 
-# The ZeRO stage pipeline parallelism needs: DeepSpeed's pipeline engine has no ZeRO-2, and
-# without ZeRO its gradient clipping counts a replicated parameter only on the first rank of
-# the tp x pp group, so the later stages' LayerNorms and biases drop out of the norm and
-# training differs from one process (ZeRO-1 computes the norm right;
-# tests/training/test_layouts.py). Checked here; `convert reshard` writes it for pp > 1.
-PIPELINE_ZERO_STAGE = 1
+# The one ZeRO stage: every run shards the optimizer state over DP as Megatron-Core's
+# distributed optimizer does (training/distributed_optimizer.py); run_config/checks.py refuses
+# the others, saying why, and `convert reshard` writes it.
+ZERO_STAGE = 1

@@ -6,16 +6,13 @@ megatron_rembert/checkpoint/step_folder.py, and what a resume decides before the
 what needs the engine. Each step folder holds the optimizer's files plus `rng/rank_XXXXX.pt`
 (each rank's dropout RNG states).
 
-On the production path (our distributed optimizer, training/data_parallel.py) those are ours
-only: every rank writes its optimizer fragments (fp32 masters, moments) into
-`optim_tp*_pp*_dp*.safetensors` (checkpoint/optimizer_shards.py; meta.json says
-`optimizer_format`, `deepspeed_files: false` and holds the LR schedule). The masters are the
-weights of record, so no module file is written; a resume at any TP x PP x DP reads them, and
-the all-gather that follows gives every rank its weights.
-
-On DeepSpeed's own path (fp16, ZeRO-2, fp32 without ZeRO) the files are the same: each rank
-writes the fp32 masters and moments of its ZeRO partition (read in place, nothing gathered;
-without ZeRO, its 1/dp of each parameter), and meta.json holds the fp16 loss scaler's state.
+Those files are ours only: every rank writes its optimizer fragments (fp32 masters, moments)
+into `optim_tp*_pp*_dp*.safetensors` (checkpoint/optimizer_shards.py; meta.json says
+`optimizer_format`, `deepspeed_files: false` and holds the LR schedule and, in fp16, the loss
+scaler's state). The masters are the weights of record, so no module file is written; a resume
+at any TP x PP x DP and in any precision reads them, and the all-gather that follows gives
+every rank its weights. Checkpoints of version 0.2.0's DeepSpeed optimizers (fp16, ZeRO-2, fp32
+without ZeRO) are the same files and resume the same way, their fp16 scaler with them.
 `engine.save_checkpoint` and `engine.load_checkpoint` are called on no path; a folder of
 DeepSpeed's files (written by version 0.1.0) is refused before the model is built
 (checkpoint/reader.py, `check_format`). The RNG files are the one pickle, read with
@@ -62,18 +59,15 @@ from megatron_rembert.fs import (
 )
 from megatron_rembert.parallel import comm, state
 from megatron_rembert.parallel import random as tp_random
-from megatron_rembert.training import deepspeed_private
-from megatron_rembert.training.distributed_optimizer import DistributedOptimizer
 from megatron_rembert.training.divergence import DivergenceError, check_weights
 from megatron_rembert.training.full_tensors import (
-    load_full_tensors,
     load_into_fragments,
-    load_portable,
     local_parameters,
     restore_schedule,
 )
 
 RECORDS = ".hashes"  # per-rank hashes of one save, merged into manifest.json by rank 0
+LOSS_SCALER = "loss_scaler"  # meta.json: fp16's loss scaler state (training/loss_scale.py)
 
 
 @dataclass
@@ -190,16 +184,14 @@ def save_checkpoint(engine, save_dir: str | Path, step: int, consumed_samples: i
     wait_for_save(engine)
     save_dir = Path(save_dir)
     folder = save_dir / step_tag(step)
-    owned = isinstance(engine.optimizer, DistributedOptimizer)
-    # our files only, on either path: the optimizer shards (the masters are the weights of
-    # record), the LR schedule and (DeepSpeed's fp16) the loss scaler in meta.json
+    # our files only: the optimizer shards (the masters are the weights of record), the LR
+    # schedule and (fp16) the loss scaler in meta.json
     schedule = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
     meta = {**meta, "optimizer_format": optimizer_shards.FORMAT, DEEPSPEED_FILES: False,
             "lr_scheduler": schedule}
-    if owned:
-        engine.optimizer.wait_for_weights()  # the step may have left their all-gather in flight
-    elif (scaler := deepspeed_private.loss_scaler_state(engine.optimizer)) is not None:
-        meta["loss_scaler"] = scaler
+    if engine.optimizer.loss_scaler is not None:
+        meta[LOSS_SCALER] = engine.optimizer.loss_scaler.state_dict()
+    engine.optimizer.wait_for_weights()  # the step left their all-gather to the next one
     if not background:
         check_weights(engine.module.parameters(), step, max_weight_abs, save_dir)
     if comm.rank() == 0:  # a partial folder left by a kill at this step; never through a link
@@ -229,11 +221,8 @@ def save_checkpoint(engine, save_dir: str | Path, step: int, consumed_samples: i
 
     def collect() -> None:  # this rank's optimizer shard (copied in the background case),
         # RNG states
-        if owned:
-            guard.shards = optimizer_shards.collect(engine.optimizer, _specs(engine, meta),
-                                                    copy=background, **_where())
-        else:
-            guard.shards = _deepspeed_shard(engine, meta, background)
+        guard.shards = optimizer_shards.collect(engine.optimizer, _specs(engine, meta),
+                                                copy=background, **_where())
         rng = tp_random.get_rng_states()
         guard.files.append((str(folder / "rng" / f"rank_{comm.rank():05d}.pt"),
                             copy.deepcopy(rng) if background else rng))
@@ -288,20 +277,6 @@ def _write_files(guard: SaveState, folder: Path) -> None:
                        for p, r in guard.records.items() if Path(p).is_relative_to(root)})
 
 
-def _deepspeed_shard(engine, meta: dict, host_copy: bool) -> optimizer_shards.Collected:
-    """This rank's shard file on DeepSpeed's own path (fp16, ZeRO-2, fp32 without ZeRO): the
-    fp32 masters and moments of its optimizer, as ours are saved."""
-    parallel = state.get_state()
-    params = [p for _, p in local_parameters(engine.module)]
-    pieces = deepspeed_private.optimizer_pieces(engine.optimizer, params, parallel.layout.dp,
-                                                parallel.dp_rank)
-    counters = {"steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
-                "inner_step": deepspeed_private.inner_step(engine.optimizer)}
-    return optimizer_shards.collect_pieces(pieces, _specs(engine, meta), counters,
-                                           dp=parallel.layout.dp, dp_rank=parallel.dp_rank,
-                                           copy=host_copy, **_where())
-
-
 def _specs(engine, meta: dict) -> dict[int, ParamSpec]:
     """id(parameter) -> its spec (global names) for this rank's parameters."""
     layers = int(meta["config"]["model"]["num_hidden_layers"])
@@ -315,9 +290,10 @@ def _where() -> dict:
             "pp_rank": parallel.pp_rank}
 
 
-def _load_owned(engine, step: StepFolder, how: str) -> None:
-    """Our distributed optimizer (any layout): from the trainer's shard files (written on
-    either path), or from a portable checkpoint's full tensors."""
+def _load(engine, step: StepFolder, how: str) -> None:
+    """Our distributed optimizer (any layout, any precision): from the trainer's shard files,
+    or from a portable checkpoint's full tensors; fp16's loss scaler where the checkpoint
+    holds its state."""
     folder, meta = step.path, step.meta
     if is_portable(meta):
         with PortableReader(folder) as reader:
@@ -328,6 +304,9 @@ def _load_owned(engine, step: StepFolder, how: str) -> None:
                           tp_rank=where["tp_rank"])
     with CheckpointReader(step, verify_files=False) as reader:
         restore_schedule(engine, meta, reader.optimizer_meta())
+    scaler = engine.optimizer.loss_scaler
+    if scaler is not None and meta.get(LOSS_SCALER):
+        scaler.load_state_dict(meta[LOSS_SCALER])
     _load_rng(folder, how)
 
 
@@ -343,9 +322,7 @@ def load_checkpoint(engine, step: StepFolder, how: str = "same") -> ResumeState:
 
     The folder is checked against its manifest before any file is opened. `how`: what
     `checkpoint.resume.check_layout` decided ('same' or 'full'). Our distributed optimizer
-    reads its fragments of the shard files at any layout; DeepSpeed's own optimizers (fp16,
-    ZeRO-2, fp32 without ZeRO) load full tensors read through `CheckpointReader` (each rank
-    its TP shard of every tensor, one at a time). A portable checkpoint (written by
+    reads its fragments of the shard files at any layout. A portable checkpoint (written by
     `convert from-hf` or `reshard`) loads the same way: the weights, the optimizer state unless
     weights only, no RNG states.
     """
@@ -355,13 +332,5 @@ def load_checkpoint(engine, step: StepFolder, how: str = "same") -> ResumeState:
             f"{folder}: a file differs from its manifest.json (another rank's error names it)")):
         verify(folder, share=(comm.rank(), comm.world_size()))  # the ranks split the hashing
     resumed = ResumeState(step=int(meta["step"]), consumed_samples=int(meta["consumed_samples"]))
-    if isinstance(engine.optimizer, DistributedOptimizer):
-        _load_owned(engine, step, how)
-    elif is_portable(meta):
-        load_portable(engine, step)
-    else:
-        with CheckpointReader(step, verify_files=False) as reader:
-            load_full_tensors(engine, reader, {**meta, "weights_only": False,
-                                               "optimizer": reader.optimizer_meta()})
-        _load_rng(folder, how)
+    _load(engine, step, how)
     return resumed

@@ -17,17 +17,14 @@ What overlaps compute (the rest is exposed: bytes / bandwidth adds to the step):
   all-gather of the hidden states comes before the stage's compute: exposed.
 - PP: DeepSpeed's pipeline engine sends and receives with blocking calls between its 1F1B
   compute instructions: exposed, both directions.
-- DP, path "reduce_scatter" (ZeRO-1 in bf16 or fp32: training/data_parallel.py): the fp32
-  gradients reduce-scattered bucket by bucket (parallel/grad_buffer.py's layout, one call per
-  bucket; with parallel.grad_reduce_dtype=bf16 an all-to-all of each bucket's bf16 copy
-  instead) during the last micro-batch's backward on this rank (at pp > 1 the stage's last
-  backward of the schedule); the weights' all-gather, bucket by bucket, with
-  parallel.overlap_weight_gather (the default) in flight while the next step's first forward
-  runs, each layer waiting for its own bucket; without it, inside the step. What of them is
-  exposed comes from the order the step issues and waits for them, NCCL's queue per group
-  included (training/step_order.py: `simulate` on `dp_order`).
-- DP, path "deepspeed" (fp16, ZeRO-2, fp32 without ZeRO: DeepSpeed's own reduction): an
-  estimate of the same shape that no test checks.
+- DP (training/data_parallel.py): the fp32 gradients reduce-scattered bucket by bucket
+  (parallel/grad_buffer.py's layout, one call per bucket; with parallel.grad_reduce_dtype=bf16
+  an all-to-all of each bucket's bf16 copy instead) during the last micro-batch's backward on
+  this rank (at pp > 1 the stage's last backward of the schedule); the weights' all-gather,
+  bucket by bucket, with parallel.overlap_weight_gather (the default) in flight while the next
+  step's first forward runs, each layer waiting for its own bucket; without it, inside the
+  step. What of them is exposed comes from the order the step issues and waits for them,
+  NCCL's queue per group included (training/step_order.py: `simulate` on `dp_order`).
 """
 
 from __future__ import annotations
@@ -42,27 +39,15 @@ from megatron_rembert.model.cost import tp_all_reduces
 from megatron_rembert.model.pipeline import PIPE_ACTIVATIONS
 from megatron_rembert.parallel.layout import Layout, layout_rank
 from megatron_rembert.run_config.schema import Config
-from megatron_rembert.training import data_parallel
 from megatron_rembert.training.links import LinkAssumptions
 from megatron_rembert.training.plan import RunPlan
 from megatron_rembert.training.step_order import dp_order, simulate, stage_buckets
 
-# How the DP gradients are reduced: the path a run takes is `dp_path(config)`.
-DP_PATHS = {
-    "reduce_scatter": "our buckets, reduced over DP during the last backward (fp32 "
-                      "reduce-scatter, or parallel.grad_reduce_dtype=bf16's all-to-all), then "
-                      "the weights' all-gather (during the next forward)",
-    "deepspeed": "DeepSpeed's own reduction (estimate)",
-}
-# training/optim.py's parameter groups (with and without weight decay): DeepSpeed keeps one
-# flat buffer per group, and each is reduced and gathered apart.
-OPTIMIZER_GROUPS = 2
+# How the DP gradients are reduced (one path, every run: training/data_parallel.py).
+DP_PATH = ("our buckets, reduced over DP during the last backward (fp32 reduce-scatter, or "
+           "parallel.grad_reduce_dtype=bf16's all-to-all), then the weights' all-gather (during "
+           "the next forward)")
 META_ELEMENTS_BASE = 7  # DeepSpeed's PartitionedTensor meta: [3, B, S, H, tp, rank, tp+1 bounds]
-
-
-def dp_path(config: Config) -> str:
-    """The DP gradient path a run of `config` takes."""
-    return "reduce_scatter" if data_parallel.applies(config) else "deepspeed"
 
 
 def activation_bytes(config: Config) -> int:
@@ -180,50 +165,35 @@ def _pp(config: Config, plan: RunPlan, stage: int, rank: int) -> list[Collective
     return out
 
 
-def _dp(config: Config, plan: RunPlan, stage: int, rank: int, path: str) -> list[Collective]:
+def _dp(config: Config, plan: RunPlan, stage: int, rank: int) -> list[Collective]:
     """Per optimizer step, over this rank's parameters (its TP shard of its stage's layers,
-    vocabulary padding included): our buckets with their alignment padding, or DeepSpeed's
-    flat parameter groups (padded on top to a multiple of 2 x dp elements, not counted)."""
+    vocabulary padding included): our buckets with their alignment padding."""
     layout = plan.layout
     if layout.dp == 1:
         return []
-    if path not in DP_PATHS:
-        raise ValueError(f"unknown DP path {path!r}; one of {sorted(DP_PATHS)}")
-    params = int(plan.stages.parameters[stage])
     weight, ranks = activation_bytes(config), group_ranks(layout, rank, "DP")
-    groups = OPTIMIZER_GROUPS
-    if path == "reduce_scatter":
-        buckets = stage_buckets(config, plan, stage)
-        elements = sum(b.elements for b in buckets)
-        reduce = (Collective("DP", "reduce-scatter", "fp32 gradients, bucketed", 4 * elements,
-                             len(buckets), ranks, overlap="backward")
-                  if config.parallel.grad_reduce_dtype == "fp32" else
-                  Collective("DP", "all-to-all", "bf16 gradients, bucketed, summed in fp32",
-                             2 * elements, len(buckets), ranks, overlap="backward"))
-        return [reduce,
-                Collective("DP", "all-gather", "weights after the ZeRO-1 step",
-                           weight * elements, len(buckets), ranks,
-                           overlap="forward" if config.parallel.overlap_weight_gather
-                           else "none")]
-    gather = Collective("DP", "all-gather", "weights after the ZeRO-1 step", weight * params,
-                        groups, ranks)
-    if config.parallel.zero_stage == 0:  # the engine all-reduces the gradients after backward
-        return [Collective("DP", "all-reduce", "gradients (DeepSpeed)", weight * params, groups,
-                           ranks)]
-    return [Collective("DP", "reduce-scatter", "gradients, counted as fp32 (DeepSpeed, "
-                       "overlap_comm)", 4 * params, groups, ranks, overlap="backward"), gather]
+    buckets = stage_buckets(config, plan, stage)
+    elements = sum(b.elements for b in buckets)
+    reduce = (Collective("DP", "reduce-scatter", "fp32 gradients, bucketed", 4 * elements,
+                         len(buckets), ranks, overlap="backward")
+              if config.parallel.grad_reduce_dtype == "fp32" else
+              Collective("DP", "all-to-all", "bf16 gradients, bucketed, summed in fp32",
+                         2 * elements, len(buckets), ranks, overlap="backward"))
+    return [reduce,
+            Collective("DP", "all-gather", "weights after the ZeRO-1 step", weight * elements,
+                       len(buckets), ranks,
+                       overlap="forward" if config.parallel.overlap_weight_gather else "none")]
 
 
-def step_collectives(config: Config, plan: RunPlan, stage: int,
-                     path: str | None = None) -> list[Collective]:
+def step_collectives(config: Config, plan: RunPlan, stage: int) -> list[Collective]:
     """Every collective a rank of pipeline stage `stage` makes in one optimizer step, beyond
     scalars (the step's token count, loss statistics and gradient norm: a few calls of 1-2
-    elements). `path`: the DP gradient path (default: the run's, `dp_path`)."""
+    elements)."""
     rank = stage_rank(plan.layout, stage)
     bounds = plan.stages.boundaries
     layers = range(bounds[stage], bounds[stage + 1])
     return (_tp(config, plan, layers, rank) + _pp(config, plan, stage, rank)
-            + _dp(config, plan, stage, rank, path or dp_path(config)))
+            + _dp(config, plan, stage, rank))
 
 
 # -- time at a stated bandwidth and MFU -------------------------------------------------------
@@ -245,26 +215,19 @@ class StageTime:
         return self.compute_s + self.total_exposed_s
 
 
-def stage_time(config: Config, plan: RunPlan, stage: int, links: LinkAssumptions,
-               path: str | None = None) -> StageTime:
+def stage_time(config: Config, plan: RunPlan, stage: int, links: LinkAssumptions) -> StageTime:
     """Compute: the stage's training FLOPs per rank (the stage split's count, recomputation
     included) x micro-batches / (peak x MFU). Exposed: each TP and PP collective's wire bytes
     / bandwidth (all of it); on our DP path, what the step's order leaves the device waiting
     for (training/step_order.py), charged to the kind of collective it waited for."""
     rate = links.peak_flops * links.mfu
     compute = plan.stages.flops[stage] * plan.layout.gas / rate
-    collectives = step_collectives(config, plan, stage, path)
-    waited = {}
-    if (path or dp_path(config)) == "reduce_scatter":
-        ranks = group_ranks(plan.layout, stage_rank(plan.layout, stage), "DP")
-        bandwidth = links.bytes_per_second(ranks)
-        _, waited = simulate(dp_order(
-            config, plan, stage, lambda flops: flops / rate,
-            lambda op, size: size * wire_factor(op, len(ranks)) / bandwidth))
-    exposed = []
-    for c in collectives:
-        if c.group == "DP" and waited:
-            exposed.append(waited.get(c.op, 0.0))
-        else:
-            exposed.append(c.wire_bytes / links.bytes_per_second(c.ranks))
+    collectives = step_collectives(config, plan, stage)
+    ranks = group_ranks(plan.layout, stage_rank(plan.layout, stage), "DP")
+    bandwidth = links.bytes_per_second(ranks)
+    _, waited = simulate(dp_order(
+        config, plan, stage, lambda flops: flops / rate,
+        lambda op, size: size * wire_factor(op, len(ranks)) / bandwidth))
+    exposed = [waited.get(c.op, 0.0) if c.group == "DP" else
+               c.wire_bytes / links.bytes_per_second(c.ranks) for c in collectives]
     return StageTime(stage, compute, collectives, exposed)

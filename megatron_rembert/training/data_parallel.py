@@ -1,27 +1,26 @@
-"""The production gradient path: our gradient buffers and distributed optimizer, under
+"""The gradient path of every run: our gradient buffers and distributed optimizer, under
 DeepSpeed's engine through its public API.
 
-Runs that `applies` to (ZeRO-1 in bf16 or fp32, the shipped configs) train as Megatron-Core's
-DistributedDataParallel + DistributedOptimizer do:
+Runs train as Megatron-Core's DistributedDataParallel + DistributedOptimizer do:
 - parallel/grad_buffer.py: fp32 main gradients in contiguous buffers (the embedding and the
-  fused MLM loss add into them themselves, `summed_by_kernels`), reduce-scattered over DP in
-  buckets, each starting while the last micro-batch's backward goes on (at pp > 1 too: a
-  bucket is complete once its hooks ran once per micro-batch);
+  fused MLM loss add into them themselves, `summed_by_kernels`, and report it), reduce-scattered
+  over DP in buckets, each starting while the last micro-batch's backward goes on (at pp > 1
+  too: a bucket is complete once its gradients are in once per micro-batch);
 - training/distributed_optimizer.py: each DP rank steps the fp32 masters and optimizer state
-  of its shard, with clipping and the non-finite rule, then all-gathers the weights, in
-  flight while the next forward runs (parallel.overlap_weight_gather).
+  of its shard (ZeRO-1), with clipping, fp16's loss scale (training/loss_scale.py) and the
+  non-finite rule, then all-gathers the weights, in flight while the next forward runs
+  (parallel.overlap_weight_gather).
 
-DeepSpeed stays the engine users configure (`deepspeed.initialize`, the ds_config JSON, its
-pipeline engine and schedule) and gets our optimizer as a client optimizer: `engine_settings`
-turns off everything it would otherwise do to the gradients (ZeRO 0, its bf16/fp16 wrappers off,
-no clipping of its own); the model is cast to bf16 here, not by DeepSpeed. Its gradient
-all-reduce is switched off by its public means: pp = 1 runs every backward inside
-`engine.no_sync()`, pp > 1 sets `engine.pipeline_enable_backward_allreduce = False`. After a
-client optimizer's step the engine reads `optimizer.overflow` (a skipped step: counted, the LR
-schedule stands still). tests/training/test_client_optimizer.py shows DeepSpeed issues no
-collective of its own on this path and steps the weights bitwise as our optimizer alone does.
-
-fp16 (its loss scale) and ZeRO-2 keep DeepSpeed's own path.
+DeepSpeed stays the engine users configure (`deepspeed.initialize`, its pipeline engine and
+schedule) and gets our optimizer as a client optimizer, with everything it would otherwise do to
+the gradients off (training/ds_config.py: ZeRO 0, its bf16/fp16 wrappers off, no clipping of
+its own); the model is cast to the training dtype here, not by DeepSpeed. Its gradient all-reduce
+is switched off by its public means: pp = 1 runs every backward inside `engine.no_sync()`,
+pp > 1 sets `engine.pipeline_enable_backward_allreduce = False`, and every step fails if a
+gradient reached a parameter outside our buffers, as DeepSpeed's own reduction would
+(parallel/grad_buffer.py, `ForeignGradient`). After a client optimizer's step
+the engine reads `optimizer.overflow` (a skipped step: counted, the LR schedule stands still).
+DeepSpeed's own optimizers (its ZeRO, bf16 and fp16 wrappers) are constructed on no path.
 """
 
 from __future__ import annotations
@@ -30,15 +29,26 @@ import torch
 
 from megatron_rembert.checkpoint.files import DTYPES
 from megatron_rembert.parallel.grad_buffer import GradBuffer
-from megatron_rembert.run_config.checks import owns_gradient_path
 from megatron_rembert.run_config.schema import Config
 from megatron_rembert.training.distributed_optimizer import DistributedOptimizer
+from megatron_rembert.training.loss_scale import LossScaler
 from megatron_rembert.training.optim import make_optimizer, param_groups
 
 
-def applies(config: Config) -> bool:
-    """Whether a run trains on this path: ZeRO-1 in bf16 or fp32."""
-    return owns_gradient_path(config)
+def weight_dtype(config: Config) -> torch.dtype:
+    """The dtype of the weights the model computes with (train.precision); the masters,
+    main gradients and optimizer state are fp32 in every precision."""
+    return DTYPES[config.train.precision]
+
+
+def loss_scaler(user_ds: dict, config: Config) -> LossScaler | None:
+    """fp16's loss scaler, from the user's ds_config's `fp16` section (DeepSpeed's keys and
+    defaults: training/ds_config.py `load_ds_config`); None in the other precisions."""
+    if config.train.precision != "fp16":
+        return None
+    return LossScaler.from_ds_config(
+        {k: v for k, v in user_ds.get("fp16", {}).items() if k != "enabled"},
+        f"parallel.ds_config={config.parallel.ds_config or '(none)'}")
 
 
 def summed_by_kernels(model_config) -> tuple[str, ...]:
@@ -65,24 +75,10 @@ def kernel_summed(named_params: list[tuple[str, torch.nn.Parameter]], model_conf
     return out
 
 
-def engine_settings(ds: dict) -> dict:
-    """The DeepSpeed config of this path: the user's knobs, but nothing that touches the
-    gradients or the weights' dtype (our optimizer does all of it)."""
-    ds = dict(ds)
-    ds["zero_optimization"] = {**ds.get("zero_optimization", {}), "stage": 0}
-    ds["bf16"] = {"enabled": False}
-    ds["fp16"] = {"enabled": False}
-    ds["gradient_clipping"] = 0.0
-    ds.pop("data_types", None)  # accumulation and reduction dtypes: ours (fp32)
-    ds.pop("communication_data_type", None)
-    ds.pop("zero_allow_untested_optimizer", None)
-    return ds
-
-
-def build(named_params: list[tuple[str, torch.nn.Parameter]], config: Config
-          ) -> tuple[GradBuffer, DistributedOptimizer]:
+def build(named_params: list[tuple[str, torch.nn.Parameter]], config: Config,
+          scaler: LossScaler | None = None) -> tuple[GradBuffer, DistributedOptimizer]:
     """The gradient buffers of this rank's parameters (already in the training dtype and on
-    the device) and the distributed optimizer over them."""
+    the device) and the distributed optimizer over them (with fp16's `scaler`)."""
     params = [p for _, p in named_params]
     buffer = GradBuffer(params, bucket_elements=config.parallel.grad_bucket_elements,
                         wire_dtype=DTYPES[config.parallel.grad_reduce_dtype],
@@ -91,5 +87,6 @@ def build(named_params: list[tuple[str, torch.nn.Parameter]], config: Config
         if p.requires_grad:
             buffer.name(p, name)
     optimizer = DistributedOptimizer(buffer, param_groups(named_params, config),
-                                     make_optimizer(config), clip_grad=config.optim.clip_grad)
+                                     make_optimizer(config), clip_grad=config.optim.clip_grad,
+                                     loss_scaler=scaler)
     return buffer, optimizer

@@ -18,9 +18,11 @@ A step (`step()`, after the last micro-batch's backward):
 3. a norm that is not finite skips the step on every rank alike (they all read the same
    reduced norm): weights, masters and optimizer state stay, `skipped_steps` counts it, the
    gradients are cleared; `overflow` says so until the next step (DeepSpeed's engine reads it
-   from a client optimizer: tests/training/test_client_optimizer.py);
-4. clipping to `clip_grad` (coefficient clip / (norm + 1e-6), DeepSpeed's) multiplies the
-   shards once; the inner optimizer steps the fragments;
+   from a client optimizer: tests/training/test_client_optimizer.py). In fp16 the gradients
+   carry the loss scale (`loss_scaler`, training/loss_scale.py): the norm is divided by it,
+   and the scaler learns whether the step overflowed;
+4. the loss scale's removal and clipping to `clip_grad` (coefficient clip / (norm + 1e-6),
+   DeepSpeed's) multiply the shards once; the inner optimizer steps the fragments;
 5. the masters are written into the training-dtype weight buffer's shard, and each bucket's
    weights all-gathered over DP (asynchronously, all buckets in flight, then waited for; or,
    after `overlap_weight_gather`, left to the next step: see below);
@@ -63,6 +65,7 @@ from megatron_rembert.parallel import comm, state
 from megatron_rembert.parallel.grad_buffer import Bucket, GradBuffer, weak_method
 from megatron_rembert.parallel.layers import is_tp_sharded
 from megatron_rembert.training.lamb import Lamb
+from megatron_rembert.training.loss_scale import LossScaler
 
 CLIP_EPS = 1e-6  # as DeepSpeed's clip_tensors_by_global_norm
 
@@ -87,14 +90,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
     optimizer over the given groups of fragments, e.g.
     `lambda g: torch.optim.AdamW(g, lr=1e-3, fused=True)` or `lambda g: Lamb(g, lr=1e-3)`.
     `clip_grad`: the global norm to clip to (0: no clipping). `model_group`: the ranks of one
-    model replica (TP x PP) whose norms add up (default: the parallel state's)."""
+    model replica (TP x PP) whose norms add up (default: the parallel state's). `loss_scaler`:
+    fp16's (the gradients it finds are multiplied by its scale)."""
 
     def __init__(self, buffer: GradBuffer, param_groups: list[dict],
                  make_optimizer: Callable[[list[dict]], torch.optim.Optimizer],
-                 clip_grad: float = 0.0, model_group=None):
+                 clip_grad: float = 0.0, model_group=None,
+                 loss_scaler: LossScaler | None = None):
         if clip_grad < 0 or not math.isfinite(clip_grad):
             raise ValueError(f"clip_grad={clip_grad}: must be a finite number >= 0")
-        self.buffer, self.clip_grad = buffer, clip_grad
+        self.buffer, self.clip_grad, self.loss_scaler = buffer, clip_grad, loss_scaler
         parallel = state.get_state()
         self.model_group = model_group if model_group is not None else parallel.model_group
         self.tp_rank = parallel.tp_rank
@@ -168,18 +173,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError("DistributedOptimizer.step takes no closure")
         self.wait_for_weights()
         self.buffer.finish()
-        norm = float(self.norm())  # the step's one host read
+        scale = self.loss_scale
+        norm = float(self.norm()) / scale  # the step's one host read
         self.grad_norm = norm
         self.overflow = not math.isfinite(norm)
-        if self.overflow:  # every rank read the same norm: all skip
+        if self.loss_scaler is not None:  # every rank read the same norm: the same decision
+            self.loss_scaler.update(self.overflow)
+        if self.overflow:  # ... and all skip
             self.skipped_steps += 1
             self.buffer.zero()
             return None
+        coef = 1.0 / scale
         if self.clip_grad > 0:
-            coef = self.clip_grad / (norm + CLIP_EPS)
-            if coef < 1:
-                for bucket in self.buffer.buckets:
-                    self.buffer.shard(bucket).mul_(coef)
+            coef *= min(1.0, self.clip_grad / (norm + CLIP_EPS))
+        if coef != 1.0:
+            for bucket in self.buffer.buckets:
+                self.buffer.shard(bucket).mul_(coef)
         for f in self.all_fragments():
             f.master.grad = f.grad
         self.inner.step()
@@ -189,6 +198,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.buffer.zero()
         self.steps += 1
         return None
+
+    @property
+    def loss_scale(self) -> float:
+        """What the loss is multiplied by before backward (1 outside fp16)."""
+        return self.loss_scaler.cur_scale if self.loss_scaler is not None else 1.0
 
     def _publish(self, wait: bool = True) -> None:
         """Masters -> this rank's weight shards; then every rank's weights, gathered now

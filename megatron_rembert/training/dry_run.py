@@ -8,8 +8,7 @@ from megatron_rembert.model.cost import model_flops
 from megatron_rembert.model.sizes import parameter_counts
 from megatron_rembert.run_config.schema import Config
 from megatron_rembert.training.communication import (
-    DP_PATHS,
-    dp_path,
+    DP_PATH,
     stage_time,
 )
 from megatron_rembert.training.estimate import MEMORY_KEYS, memory_estimate
@@ -133,14 +132,13 @@ def communication_lines(config: Config, plan: RunPlan, links: LinkAssumptions) -
     pp > 1, and what is assumed."""
     times = [stage_time(config, plan, i, links) for i in range(plan.layout.pp)]
     busiest = max(times, key=lambda t: t.step_s)
-    path = dp_path(config)
     lines = ["communication per rank per step (bandwidth only, no latency; scalars left out):",
              f"  assumed: {links.intra_node_gbps:g} Gb/s per GPU within a node, "
              f"{links.inter_node_gbps:g} Gb/s across nodes, {links.gpus_per_node} GPUs per "
              f"node; matmuls at {links.mfu:.0%} of the {links.gpu}'s "
              f"{links.peak_flops / 1e12:g} TFLOP/s (--intra-node-gbps, --inter-node-gbps, "
              "--gpus-per-node, --assume-mfu, --gpu)",
-             f"  DP gradient path {path!r}: {DP_PATHS[path]}"]
+             f"  DP gradient path: {DP_PATH}"]
     if plan.layout.pp > 1:
         for t in times:
             parts = []

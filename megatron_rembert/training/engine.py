@@ -1,15 +1,18 @@
 """The DeepSpeed engine around our model, and one training step over a global batch.
 
-pp = 1: the plain model under DeepSpeed's standard engine (ZeRO 0, 1 or 2).
+pp = 1: the plain model under DeepSpeed's standard engine.
 pp > 1: a `PipelineModule` (1F1B) split at the run plan's stage boundaries (balanced by
 training FLOPs; training/plan.py).
 
+Every run's gradients take our path (training/data_parallel.py: fp32 main gradients in
+buckets, reduce-scattered over DP, a ZeRO-1 distributed optimizer), handed to DeepSpeed as its
+client optimizer; in fp16 that optimizer holds the loss scale too (training/loss_scale.py).
+
 Loss normalisation is layout-independent: the gradient is that of
     sum of per-token losses over the global batch / number of real masked tokens in it,
-so each micro-batch's backward gets `loss_sum * gas * dp / global_tokens` (DeepSpeed divides
-by the gradient-accumulation steps and averages over DP), or `loss_sum * gas / global_tokens`
-where our gradient buffers sum over DP instead (ZeRO-1 in bf16 or fp32:
-training/data_parallel.py).
+so each micro-batch's backward gets `loss_sum * gas / global_tokens` (DeepSpeed's backward
+divides by the gradient-accumulation steps; our buffers sum over DP), times the loss scale in
+fp16.
 
 Both branches run a global batch the same way: `_prepare` makes a `_StepContext` (that batch's
 loss factor and running statistics), and every micro-batch's `MLMLoss` goes through its
@@ -37,14 +40,14 @@ from megatron_rembert.model.rembert import RemBertForPreTraining
 from megatron_rembert.model.transformer import TransformerLayer
 from megatron_rembert.parallel import comm, state
 from megatron_rembert.parallel.fp8 import enable_fp8, follow_optimizer
-from megatron_rembert.parallel.layers import init_weights, is_tp_sharded
+from megatron_rembert.parallel.layers import init_weights
 from megatron_rembert.parallel.random import checkpoint_safe
 from megatron_rembert.run_config.schema import Config
 from megatron_rembert.training import data_parallel, deepspeed_private
+from megatron_rembert.training.ds_config import deepspeed_config, load_ds_config
 from megatron_rembert.training.full_tensors import local_parameters
 from megatron_rembert.training.hang import POSITION
-from megatron_rembert.training.lamb import Lamb
-from megatron_rembert.training.optim import build_optimizer, build_scheduler, deepspeed_config
+from megatron_rembert.training.optim import build_scheduler
 from megatron_rembert.training.plan import RunPlan
 from megatron_rembert.training.startup import STARTUP
 
@@ -68,13 +71,13 @@ class StepStats:
 
 class _StepContext:
     """One global batch in flight: its real masked tokens (counted once, from the host
-    batches, summed over DP), its loss factor `gas * dp / tokens`, and the running
+    batches, summed over DP), its loss factor `gas * loss_scale / tokens`, and the running
     [loss_sum, correct] of this rank, all on the training device (no host sync until
     `Trainer._finish_stats`)."""
 
-    def __init__(self, tokens: torch.Tensor, gas_dp: int):
+    def __init__(self, tokens: torch.Tensor, gas: int, loss_scale: float = 1.0):
         self.tokens = tokens
-        self.loss_factor = gas_dp / tokens.clamp(min=1.0)
+        self.loss_factor = gas * loss_scale / tokens.clamp(min=1.0)
         self.stats = torch.zeros(2, device=tokens.device)
 
     def scaled_loss(self, out: MLMLoss | tuple, _labels=None) -> torch.Tensor:
@@ -136,43 +139,24 @@ class Trainer:
         # renewed after each step of this trainer's optimizer (no other's)
         self.fp8_gemms = (enable_fp8(m for m in model.modules() if isinstance(m, TransformerLayer))
                           if config.train.fp8 else [])
-        model.to(device)
-        # ZeRO-1 in bf16 or fp32 (the production settings): our gradient buffers and
-        # distributed optimizer under DeepSpeed's public API (training/data_parallel.py)
-        self.owned = data_parallel.applies(config)
-        self.grad_buffer = None
-        if self.owned:
-            if config.train.precision == "bf16":
-                model.to(torch.bfloat16)
-            self.grad_buffer, optimizer = data_parallel.build(local_parameters(model), config)
+        model.to(device, data_parallel.weight_dtype(config))
+        user = load_ds_config(config)
+        self.ds_config = deepspeed_config(config, plan.layout, user)
+        self.grad_buffer, optimizer = data_parallel.build(
+            local_parameters(model), config, data_parallel.loss_scaler(user, config))
         STARTUP.mark("model")
-        if not self.owned:
-            optimizer = build_optimizer(model, config)
         if self.fp8_gemms:
             follow_optimizer(self.fp8_gemms, optimizer)
         scheduler = build_scheduler(optimizer, plan.lr)
-        self.ds_config = deepspeed_config(config, plan.layout)
-        if self.owned:
-            self.ds_config = data_parallel.engine_settings(self.ds_config)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config,
+            model=model, optimizer=optimizer, lr_scheduler=scheduler,
+            config=self.ds_config,
             mpu=None if self.pipeline else state.DeepSpeedMPU())
-        if self.owned and self.optimizer is not optimizer:
-            raise RuntimeError(f"DeepSpeed wrapped the client optimizer into "
-                               f"{type(self.optimizer).__name__}: training/data_parallel.py's "
-                               "settings no longer keep it as it is")
-        if isinstance(optimizer, Lamb) and self.optimizer is not optimizer:
-            optimizer.use_flat_partitions(self.optimizer)
-        if self.owned and self.pipeline:
+        deepspeed_private.check_engine(self.engine, optimizer)
+        if self.pipeline:
             self.engine.pipeline_enable_backward_allreduce = False  # the engine's public switch
-        if self.owned and config.parallel.overlap_weight_gather:
+        if config.parallel.overlap_weight_gather:
             optimizer.overlap_weight_gather(model, GATHER_UNITS)
-        if not self.owned and config.parallel.zero_stage == 0 and plan.layout.dp == 1:
-            # fp32 without ZeRO on one DP rank: DeepSpeed's all-reduce would flatten, "reduce"
-            # and copy back every gradient for nothing (seconds per step on CPU)
-            deepspeed_private.disable_engine_gradient_reduction(self.engine, self.pipeline)
-        # DeepSpeed averages gradients over DP; our buffers sum over DP.
-        self.dp_average = not self.owned
         if self.pipeline:
             _track_instructions(self.engine)
 
@@ -192,8 +176,7 @@ class Trainer:
         local = sum(float(mb["masked_weights"].sum()) for mb in micro_batches)  # CPU tensors
         tokens = comm.all_reduce(torch.tensor(local, dtype=torch.float32, device=self.device),
                                  group=state.get_state().dp_group)
-        dp = self.layout.dp if self.dp_average else 1
-        step = _StepContext(tokens, self.layout.gas * dp)
+        step = _StepContext(tokens, self.layout.gas, self.optimizer.loss_scale)
         # `unpadded` becomes a Python bool here, on the host: the model picks the attention
         # call from it, and reading a device tensor would wait for the device. A pipeline runs
         # the step's micro-batches on one path: unpadded when all of them are.
@@ -217,34 +200,26 @@ class Trainer:
             raise ValueError(f"expected {self.layout.gas} micro-batches, got "
                              f"{len(micro_batches)}")
         micro_batches, step = self._prepare(micro_batches)
-        self._start_weight_gather()
-        skipped_before = self.engine.skipped_steps
+        # the last step's weights, gathered from here while the forward runs: after the
+        # blocking all-reduce above, so that on NCCL nothing queues behind the gather
+        self.optimizer.start_weight_gather()
         lr = self.scheduler.get_last_lr()[0]  # the rate this step applies
         self.engine.train()
         if self.pipeline:
             self.engine.module.loss_fn = step.scaled_loss  # on the last stage, per micro-batch
-            if self.owned:  # this stage's backward passes: one per micro-batch
-                self.grad_buffer.expect(self.layout.gas)
+            self.grad_buffer.expect(self.layout.gas)  # this stage's backward passes
             self.engine.train_batch(data_iter=self._pipeline_items(micro_batches))
         else:
             self.forward_backward(micro_batches, step)
-            own_norm = self.optimizer_step()
+            self.engine.step()  # DeepSpeed's boundary step: our optimizer's
         POSITION.set(detail="step statistics")
         loss, acc, tokens = self._finish_stats(step)
-        if self.owned:
-            grad_norm, skipped = self.optimizer.grad_norm, self.optimizer.overflow
-        else:
-            grad_norm = self.engine.get_global_grad_norm()
-            if grad_norm is None and not self.pipeline:
-                grad_norm = own_norm
-            skipped = self.engine.skipped_steps > skipped_before
-        if isinstance(grad_norm, torch.Tensor):
-            grad_norm = grad_norm.item()
+        grad_norm = self.optimizer.grad_norm
         return StepStats(
             loss=loss, mlm_acc=acc, masked_tokens=tokens,
             grad_norm=None if grad_norm is None or not math.isfinite(grad_norm) else grad_norm,
             grad_norm_finite=grad_norm is None or math.isfinite(grad_norm),
-            loss_scale=self.loss_scale(), lr=lr, skipped=skipped)
+            loss_scale=self.loss_scale(), lr=lr, skipped=self.optimizer.overflow)
 
     def forward_backward(self, micro_batches: list[dict], step: _StepContext) -> None:
         """pp = 1: forward and backward of every micro-batch of a step, with DeepSpeed's
@@ -253,42 +228,19 @@ class Trainer:
         last = len(micro_batches) - 1
         for i, mb in enumerate(micro_batches):
             POSITION.set(detail=f"micro-batch {i + 1}/{len(micro_batches)}")
-            if self.owned:
-                if i == 0:  # each bucket's reduce-scatter starts once its gradients are in
-                    self.grad_buffer.expect(len(micro_batches))
-                loss = step.scaled_loss(self.engine(**mb))
-                with self.engine.no_sync():  # our buffers reduce, not DeepSpeed
-                    self.engine.backward(loss)
-            else:
-                self.engine.backward(step.scaled_loss(self.engine(**mb)))
+            if i == 0:  # each bucket's reduce-scatter starts once its gradients are in
+                self.grad_buffer.expect(len(micro_batches))
+            loss = step.scaled_loss(self.engine(**mb))
+            with self.engine.no_sync():  # our buffers reduce, not DeepSpeed
+                self.engine.backward(loss)
             if i < last:
                 self.engine.step()  # not an accumulation boundary: counters only
-
-    def optimizer_step(self) -> torch.Tensor | None:
-        """pp = 1, after the last backward: DeepSpeed's boundary step (the optimizer). Returns
-        our gradient norm where DeepSpeed clips with one but reports none (ZeRO 0)."""
-        own_norm = self._grad_norm() if self.config.parallel.zero_stage == 0 else None
-        self.engine.step()
-        return own_norm
-
-    @torch.no_grad()
-    def _grad_norm(self) -> torch.Tensor:
-        """Norm of the whole model's gradient (pp = 1, after the DP all-reduce): TP shards
-        summed over the TP group, replicated parameters counted once."""
-        grads = {True: [], False: []}
-        for p in self.engine.module.parameters():
-            if p.grad is not None:
-                grads[is_tp_sharded(p)].append(p.grad)
-        squares = [torch.stack(torch._foreach_norm(g)).float().square().sum() if g
-                   else torch.zeros((), device=self.device) for g in (grads[True], grads[False])]
-        sharded = comm.all_reduce(squares[0].reshape(1), group=state.get_state().tp_group)
-        return (sharded[0] + squares[1]).sqrt()
 
     @torch.no_grad()
     def eval_step(self, micro_batches: list[dict]) -> tuple[float, float, int]:
         """Loss and MLM accuracy over the given micro-batches (all DP ranks together)."""
         micro_batches, step = self._prepare(micro_batches)
-        self._start_weight_gather()
+        self.optimizer.start_weight_gather()
         self.engine.eval()
         if self.pipeline:
             self.engine.module.loss_fn = step.scaled_loss
@@ -299,25 +251,16 @@ class Trainer:
                 step.scaled_loss(self.engine(**mb))
         return self._finish_stats(step)
 
-    def _start_weight_gather(self) -> None:
-        """The last step's weights' all-gather, in flight from here while the forward runs
-        (parallel.overlap_weight_gather): issued after `_prepare`'s blocking all-reduce on
-        the DP group, and after the last step's statistics were read, so that on NCCL no
-        blocking collective or host read on that group waits behind it."""
-        if self.owned:
-            self.optimizer.start_weight_gather()
-
     def wait_for_weights(self) -> None:
         """The weights of the last step, all-gathered over DP: before reading them outside a
-        forward (parallel.overlap_weight_gather leaves the all-gather in flight)."""
-        if self.owned:
-            self.optimizer.wait_for_weights()
+        forward (the step leaves the all-gather to the next one: training/
+        distributed_optimizer.py)."""
+        self.optimizer.wait_for_weights()
 
     def loss_scale(self) -> float | None:
-        if self.config.train.precision != "fp16":
-            return None
-        scale = getattr(self.optimizer, "cur_scale", None)  # DeepSpeed's ZeRO optimizers
-        return float(scale) if scale is not None else None
+        """fp16's loss scale after the last step (None in other precisions)."""
+        scaler = self.optimizer.loss_scaler
+        return scaler.cur_scale if scaler is not None else None
 
 
 def _track_instructions(engine) -> None:

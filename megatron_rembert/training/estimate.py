@@ -47,68 +47,39 @@ def _bytes_per_parameter(config: Config, layout: Layout) -> dict[str, float]:
     with a single-process engine (bench/full_scale.py checks the sum on the real model, rank by
     rank).
 
-    - parameters: the training precision (one flat buffer: ours, or DeepSpeed's per group).
-    - gradients: on the main-gradient path (ZeRO-1 in bf16 or fp32, training/data_parallel.py)
-      one fp32 buffer, autograd's gradients freed parameter by parameter as they are added
-      (with parallel.grad_reduce_dtype=bf16 at dp > 1, 4 bytes more: the buckets' bf16 copies
-      and receive buffers).
-      Otherwise the training precision, plus an fp32 accumulation buffer for fp16/bf16
-      (DeepSpeed's ZeRO gradient-accumulation attribute); whole up to ZeRO-1, sharded over DP
-      by ZeRO-2.
-    - optimizer_states: Adam's two fp32 moments, and under ZeRO an fp32 master copy of the
-      weights; sharded over DP from ZeRO-1. In fp32 on the main-gradient path the master
-      shard is the weights' own (no copy); DeepSpeed's own ZeRO path clones them.
-    - optimizer_step: on DeepSpeed's own ZeRO path, with gradient accumulation, a micro-batch's
-      fresh gradients while the accumulated ones are held (from the second micro-batch on); the
-      flat fp32 gradient partition a ZeRO step builds from the gradients is as large. The
-      main-gradient path and torch's fused AdamW without ZeRO step in place.
+    - parameters: the training precision (one buffer).
+    - gradients: one fp32 buffer (training/data_parallel.py), autograd's gradients freed
+      parameter by parameter as they are added (with parallel.grad_reduce_dtype=bf16 at
+      dp > 1, 4 bytes more: the buckets' bf16 copies and receive buffers).
+    - optimizer_states: Adam's two fp32 moments, and in bf16 or fp16 an fp32 master copy of
+      the weights (in fp32 the master shard is the weights' own), sharded over DP (ZeRO-1).
+    - optimizer_step: nothing: the distributed optimizer steps in place.
     Not per parameter: `transient_copy` (see `_transient_copy`).
     """
-    weight, zero, dp = _weight_bytes(config), config.parallel.zero_stage, layout.dp
+    weight, dp = _weight_bytes(config), layout.dp
     half = weight == 2
-    optimizer_dp = dp if zero >= 1 else 1
-    if data_parallel.applies(config):
-        # bf16 on the wire: each bucket's bf16 copy and receive buffer, all in flight at the
-        # end of backward at worst
-        wire = 4 if config.parallel.grad_reduce_dtype == "bf16" and dp > 1 else 0
-        return {"parameters": weight, "gradients": 4 + wire,
-                "optimizer_states": ((4 if half else 0) + 8) / optimizer_dp,
-                "optimizer_step": 0}
-    return {"parameters": weight,
-            "gradients": (weight + (4 if half else 0)) / (dp if zero >= 2 else 1),
-            "optimizer_states": ((4 if zero >= 1 else 0) + 8) / optimizer_dp,
-            "optimizer_step": (4 if zero >= 1 else 0) / optimizer_dp}
+    # bf16 on the wire: each bucket's bf16 copy and receive buffer, all in flight at the end
+    # of backward at worst
+    wire = 4 if config.parallel.grad_reduce_dtype == "bf16" and dp > 1 else 0
+    return {"parameters": weight, "gradients": 4 + wire,
+            "optimizer_states": ((4 if half else 0) + 8) / dp, "optimizer_step": 0}
 
 
 def _transient_copy(config: Config, layout: Layout) -> list[float]:
     """Per pipeline layer, the bytes of the largest copy a rank holds for a moment on top of the
     other terms while that layer is worked on (measured: each shows as the peak's excess over
     the other terms, bench/full_scale.py):
-    - a fresh gradient of the layer's largest parameter (TP shard) being added into the
-      accumulated ones. On DeepSpeed's own ZeRO path its gradient-accumulation hook copies each
-      into an fp32 buffer (on rembert's last stage the output embedding shard, 0.78 GiB at
-      tp 2). On the main-gradient path autograd's gradient, in the training precision, lives
-      until its hook has added it; the embeddings' gradients are added by their kernels and
-      never exist whole. Without ZeRO gradients accumulate in place;
-    - on DeepSpeed's own path, a resume: each parameter's fp32 TP shard is read whole before
-      it is set (training/full_tensors.py; on a GPU that copy is in host memory: counted
-      anyway, a bound; at another TP size than the checkpoint's the full tensor, not
-      counted). Our optimizer reads its fragments in place (at the saving TP size); both
-      paths save in place (training/checkpoint.py)."""
+    a fresh gradient of the layer's largest parameter (TP shard) being added into the
+    accumulated ones: autograd's gradient, in the training precision, lives until its hook has
+    added it; the embeddings' gradients are added by their kernels and never exist whole. A
+    resume and a save work in place (training/checkpoint.py)."""
     weight = _weight_bytes(config)
-    owned = data_parallel.applies(config)
-    if owned:
-        skip, per_element = data_parallel.summed_by_kernels(config.model), weight
-    else:
-        skip, per_element = (), 4 if config.parallel.zero_stage >= 1 else 0
+    skip = data_parallel.summed_by_kernels(config.model)
     fresh = [0.0] * (config.model.num_hidden_layers + 2)
-    saved = [0.0] * len(fresh)
     for param in parameter_table(config.model, layout.tp):
-        if not owned:
-            saved[param.layer] = max(saved[param.layer], 4 * param.local)
         if not param.name.endswith(skip):
-            fresh[param.layer] = max(fresh[param.layer], per_element * param.local)
-    return [max(a, b) for a, b in zip(fresh, saved, strict=True)]
+            fresh[param.layer] = max(fresh[param.layer], weight * param.local)
+    return fresh
 
 
 def _activation_bytes(config: Config, layout: Layout, predictions: int) -> list[float]:
@@ -228,6 +199,6 @@ def check_memory(config: Config, stages: StagePlan, local_rank: int, local_world
     fits, said = memory_verdict(stages, local_rank, local_world_size)
     if not fits:
         raise ConfigError(f"{said}; lower train.micro_batch_size or data.seq_length, raise "
-                          "parallel.tp, parallel.pp or parallel.zero_stage, or set "
+                          "parallel.tp or parallel.pp, or set "
                           "parallel.activation_checkpointing=true (`--dry-run` shows the "
                           "effect); parallel.memory_check=false starts anyway")

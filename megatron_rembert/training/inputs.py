@@ -34,13 +34,6 @@ def check_inputs(config: Config, world_size: int, device: torch.device, rank: in
                               "send/recv between pipeline stages take CPU tensors only (a "
                               "CUDA tensor aborts the process); use parallel.backend=nccl "
                               "(auto), one rank per GPU")
-    if config.train.precision == "fp16" and device.type != "cuda":
-        from deepspeed.accelerator import get_accelerator
-
-        if not get_accelerator().is_fp16_supported():
-            raise ConfigError("train.precision=fp16 needs a GPU: DeepSpeed allows fp16 on a CPU "
-                              "only with oneDNN fp16 support, which this CPU lacks; use bf16 "
-                              "or fp32")
     data = config.data
     if not data.path:
         raise ConfigError("data.path is not set: point it at a folder made by "

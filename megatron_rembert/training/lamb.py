@@ -2,16 +2,17 @@
 minutes") whose trust ratios are those of whole parameters, in every parallel layout.
 
 LAMB scales the Adam update u of each parameter w by ||w|| / ||u||. A rank rarely holds a whole
-parameter: tensor parallelism gives it a shard, and ZeRO (or DeepSpeed's bf16 optimizer) hands
-the optimizer one flat fp32 partition per parameter group, cut at arbitrary points. Norms over
-what one rank holds would make training depend on the layout. Here the squared norms are summed
-over every fragment of a parameter on the data-parallel ranks and over its tensor-parallel
-shards, so tp x pp x dp with ZeRO takes the steps of one process (tests/training/test_lamb.py).
+parameter: tensor parallelism gives it a shard, and the distributed optimizer
+(training/distributed_optimizer.py) hands it fragments of parameters cut at bucket-shard
+boundaries. Norms over what one rank holds would make training depend on the layout. Here the
+squared norms are summed over every fragment of a parameter on the data-parallel ranks
+(`use_fragments`) and over its tensor-parallel shards, so tp x pp x dp takes the steps of one
+process (tests/training/test_lamb.py).
 
 Conventions of NVIDIA's BERT LAMB and the reference TensorFlow implementation: Adam moments with
 bias correction; decoupled weight decay added to the update; the trust ratio only for the
 parameters that get weight decay (biases and LayerNorm take the plain update); ratio 1 where a
-norm is zero. Gradient clipping (global norm) is DeepSpeed's, before the step.
+norm is zero. Gradient clipping (global norm) is the distributed optimizer's, before the step.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import torch
 
 from megatron_rembert.parallel import comm
 from megatron_rembert.parallel.layers import is_tp_sharded
-from megatron_rembert.training import deepspeed_private
 
 
 @dataclass
@@ -43,19 +43,8 @@ class Lamb(torch.optim.Optimizer):
                  eps: float = 1e-6, weight_decay: float = 0.0, tp_group=None):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.tp_group = tp_group
-        self._wrapper = None
         self._fragments: dict[int, _Fragments] = {}
         self._given: dict[int, _Fragments] = {}
-
-    def use_flat_partitions(self, wrapper) -> None:
-        """DeepSpeed wrapped this optimizer in a partitioning one (its ZeRO 1/2 optimizer):
-        from now on group["params"] are flat partitions, mapped back through the wrapper."""
-        if not any(hasattr(wrapper, lp) and hasattr(wrapper, hp)
-                   for lp, hp in deepspeed_private.FLAT_PARTITIONS):
-            raise TypeError(f"optim.name=lamb: DeepSpeed's {type(wrapper).__name__} is not a "
-                            "wrapper whose partitions Lamb can map to parameters")
-        self._wrapper = wrapper
-        self._fragments.clear()
 
     def use_fragments(self, groups: list[tuple[list[int], list[bool]]], dp_group) -> None:
         """group["params"] are fragments of whole parameters spread over the ranks of
@@ -86,37 +75,6 @@ class Lamb(torch.optim.Optimizer):
                           sizes=[p.numel() for p in params], ids=torch.arange(n),
                           sharded=torch.tensor([is_tp_sharded(p) for p in params]))
 
-    def _flat_fragments(self, index: int, flat: torch.Tensor) -> _Fragments:
-        lp_name, hp_name = next((lp, hp) for lp, hp in deepspeed_private.FLAT_PARTITIONS
-                                if hasattr(self._wrapper, lp))
-        position = next((i for i, t in enumerate(getattr(self._wrapper, hp_name)) if t is flat),
-                        None)
-        if position is None:
-            raise RuntimeError(f"Lamb: parameter group {index} is not one of DeepSpeed's flat "
-                               "partitions")
-        lp_params = getattr(self._wrapper, lp_name)[position]
-        starts, sizes, ids = [], [], []
-        for i, lp in enumerate(lp_params):
-            address = deepspeed_private.fragment_address(lp)
-            if address is not None:  # a fragment of this parameter is in our partition
-                starts.append(address.start)
-                sizes.append(address.numel)
-                ids.append(i)
-        group = self._wrapper.real_dp_process_group[position]
-        fragments = _Fragments(tensors=[0] * len(ids), starts=starts, sizes=sizes,
-                               ids=torch.tensor(ids, dtype=torch.long),
-                               sharded=torch.tensor([is_tp_sharded(p) for p in lp_params]),
-                               dp_group=group)
-        # Every element of every parameter must be covered exactly once across the DP ranks.
-        covered = torch.zeros(len(lp_params), dtype=torch.float64)
-        covered.index_add_(0, fragments.ids, torch.tensor(sizes, dtype=torch.float64))
-        comm.all_reduce(covered, group=group)
-        expected = torch.tensor([p.numel() for p in lp_params], dtype=torch.float64)
-        if not torch.equal(covered.cpu(), expected):
-            raise RuntimeError("Lamb: DeepSpeed's partition map does not cover the parameters "
-                               "exactly once; this DeepSpeed version's layout is unsupported")
-        return fragments
-
     def _group_fragments(self, index: int, group: dict) -> _Fragments:
         if index in self._given:
             return self._given[index]
@@ -124,13 +82,7 @@ class Lamb(torch.optim.Optimizer):
         key = tuple((p.data_ptr(), p.numel()) for p in params)
         cached = self._fragments.get(index)
         if cached is None or cached.key != key:
-            if self._wrapper is None:
-                cached = self._plain_fragments(params)
-            else:
-                if len(params) != 1:
-                    raise RuntimeError(f"Lamb: expected one flat partition in group {index}, "
-                                       f"got {len(params)} tensors")
-                cached = self._flat_fragments(index, params[0])
+            cached = self._plain_fragments(params)
             cached.key = key
             self._fragments[index] = cached
         return cached

@@ -1,88 +1,17 @@
-"""Optimizer, learning-rate schedule and the DeepSpeed config dict, all from our Config."""
+"""Optimizer and learning-rate schedule, from our Config."""
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from megatron_rembert.checkpoint.specs import no_weight_decay
-from megatron_rembert.config import ConfigError
 from megatron_rembert.parallel import state
-from megatron_rembert.parallel.layout import Layout
 from megatron_rembert.run_config.schema import Config
 from megatron_rembert.training.lamb import Lamb
-
-# Keys of the DeepSpeed config that our Config owns, and the key of ours that sets each: a
-# ds_config JSON may not set them (DeepSpeed would take them, or we would silently overwrite
-# them: one source of truth for every number).
-OWNED_DS_KEYS = {
-    "train_batch_size": "train.global_batch_size",
-    "train_micro_batch_size_per_gpu": "train.micro_batch_size",
-    "gradient_accumulation_steps": "train.global_batch_size and train.micro_batch_size",
-    "optimizer": "optim.* (name, lr, beta1, beta2, eps, weight_decay)",
-    "scheduler": "optim.* (warmup_steps, decay, decay_start_step, min_lr)",
-    "gradient_clipping": "optim.clip_grad",
-    "bf16.enabled": "train.precision",
-    "fp16.enabled": "train.precision",
-    "zero_optimization.stage": "parallel.zero_stage",
-    "steps_per_print": "train.log_interval",
-}
-
-
-def load_ds_config(path: str | Path) -> dict:
-    """The user's DeepSpeed JSON, refused (ConfigError naming the file and key) if it is
-    missing, not a JSON object, or sets a key of OWNED_DS_KEYS."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"parallel.ds_config={path}: no such file")
-    try:
-        ds = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ConfigError(f"parallel.ds_config={path}: not valid JSON ({err})") from err
-    if not isinstance(ds, dict):
-        raise ConfigError(f"parallel.ds_config={path}: expected a JSON object, got "
-                          f"{type(ds).__name__}")
-    for key in OWNED_DS_KEYS:
-        parent, _, leaf = key.rpartition(".")
-        section = ds.get(parent) if parent else ds
-        if isinstance(section, dict) and leaf in section:
-            raise ConfigError(f"parallel.ds_config={path} sets {key}, which our config owns: "
-                              f"remove it from the JSON and set {OWNED_DS_KEYS[key]} instead")
-    return ds
-
-
-def deepspeed_config(config: Config, layout: Layout) -> dict:
-    """The DeepSpeed config dict: the optional JSON's knobs plus every number from our Config
-    and the layout."""
-    ds = load_ds_config(config.parallel.ds_config) if config.parallel.ds_config else {}
-    train = config.train
-    ds.update(train_batch_size=layout.global_batch_size,
-              train_micro_batch_size_per_gpu=layout.micro_batch_size,
-              gradient_accumulation_steps=layout.gas,
-              gradient_clipping=config.optim.clip_grad,
-              steps_per_print=10**9)  # our own logging replaces DeepSpeed's
-    # On DeepSpeed's own path (fp16, ZeRO-2; training/data_parallel.py replaces these settings
-    # for the others) gradients accumulate over micro-batches in fp32 (DeepSpeed's default
-    # accumulates in half precision), and are summed over DP ranks in fp32: a bf16 sum
-    # over ranks moved a parameter 2e-3 (relative) differently from one process already at
-    # dp = 2, and Megatron-LM reduces in fp32 under bf16 too.
-    accum = ds.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
-    if accum not in ("fp32", "float32"):
-        raise ConfigError(f"{config.parallel.ds_config}: data_types.grad_accum_dtype={accum!r}; "
-                          "gradients are accumulated in fp32: remove the key")
-    if train.precision != "fp32":
-        ds.setdefault("communication_data_type", "fp32")
-    ds.setdefault("bf16", {})["enabled"] = train.precision == "bf16"
-    ds.setdefault("fp16", {})["enabled"] = train.precision == "fp16"
-    ds.setdefault("zero_optimization", {})["stage"] = config.parallel.zero_stage
-    if config.optim.name == "lamb":
-        ds["zero_allow_untested_optimizer"] = True  # Lamb maps ZeRO's partitions itself
-    return ds
 
 
 def param_groups(named_params, config: Config) -> list[dict]:

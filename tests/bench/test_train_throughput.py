@@ -43,7 +43,7 @@ def test_gpu_branch_runs_without_the_training_stack():
 
 
 def test_trainer_branch_runs_on_cpu():
-    """--trainer's measurement (the DeepSpeed step, bf16 + zero1_bf16.json, accumulation) on
+    """--trainer's measurement (the DeepSpeed step, bf16, accumulation) on
     the tiny preset, on CPU with gloo."""
     import json
 

@@ -58,7 +58,7 @@ def integrity_worker(rank, world_size, root: str) -> dict:
 
     root = Path(root)
     deepspeed.init_distributed(dist_backend="gloo")
-    config = build_config({"model": {"preset": "tiny"}}, overrides(1, 1, 1))
+    config = build_config({"model": {"preset": "tiny"}}, overrides(1, 1))
     plan = RunPlan.build(config, world_size)
     layout = plan.layout
     state.initialize_model_parallel(layout)
@@ -82,29 +82,18 @@ def integrity_worker(rank, world_size, root: str) -> dict:
     write_manifest(folder, {})  # the manifest made to agree with it
     out["new_evil_rng"] = _error(load(folder))
 
-    # DeepSpeed's own path (fp32 without ZeRO) writes the same files as ours
-    ds_trainer = Trainer(build_config({"model": {"preset": "tiny"}}, overrides(1, 1, 0)),
-                         plan, torch.device("cpu"))
-    ds_trainer.train_step(micro_batches(0, GLOBAL_BATCH, MICRO, 0, 1, config.model.vocab_size))
-    ds_meta = {**meta, "config": {**meta["config"], "parallel": {
-        **meta["config"]["parallel"], "zero_stage": 0}}}
-    ds_good = ckpt.save_checkpoint(ds_trainer.engine, root / "ds_run", 1, GLOBAL_BATCH, ds_meta,
-                                   keep_last=5)
-    out["ds_files"] = sorted(json.loads((ds_good / "manifest.json").read_text())["files"])
-    out["ds_step"] = ckpt.load_checkpoint(ds_trainer.engine, StepFolder.open(ds_good),
-                                          how="same").step
     # A checkpoint of DeepSpeed's files (what every path wrote before 2026-12-07, here made by
     # DeepSpeed's own save), holding a pickle that carries code: refused by its meta.json,
     # before any of its files is opened
     legacy = root / "legacy" / "step_00000001"
-    ds_trainer.engine.save_checkpoint(str(legacy.parent), tag=legacy.name, save_latest=False)
+    trainer.engine.save_checkpoint(str(legacy.parent), tag=legacy.name, save_latest=False)
     torch.save({"payload": Evil(str(root / "legacy.ran"))},
                legacy / "mp_rank_00_model_states.pt")
-    (legacy / "meta.json").write_text(json.dumps({**ds_meta, "step": 1,
+    (legacy / "meta.json").write_text(json.dumps({**meta, "step": 1,
                                                   "consumed_samples": GLOBAL_BATCH}))
     write_manifest(legacy, {})
     (legacy / "complete").write_text("")
-    out["legacy"] = _error(lambda: ckpt.load_checkpoint(ds_trainer.engine,
+    out["legacy"] = _error(lambda: ckpt.load_checkpoint(trainer.engine,
                                                         StepFolder.open(legacy), how="same"))
 
     real_save = torch.save
@@ -146,9 +135,8 @@ def precision_change_worker(rank, world_size, root: str, saved: str, resumed: st
     deepspeed.init_distributed(dist_backend="gloo")
 
     def trainer(precision: str):
-        js = {"fp32": "cpu_fp32.json", "bf16": "zero1_bf16.json"}[precision]
-        config = build_config({"model": {"preset": "tiny"}}, overrides(1, 1, 1) + [
-            f"train.precision={precision}", f"parallel.ds_config=ds_configs/{js}"])
+        config = build_config({"model": {"preset": "tiny"}}, overrides(1, 1) + [
+            f"train.precision={precision}"])
         plan = RunPlan.build(config, world_size, rank)
         state.initialize_model_parallel(plan.layout)
         return Trainer(config, plan, torch.device("cpu")), config, plan

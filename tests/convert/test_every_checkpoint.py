@@ -1,10 +1,9 @@
 """Every checkpoint the trainer writes, read by every reader (issue "Nothing ends done that did
 not train", class C).
 
-Each precision x ZeRO stage the trainer accepts at pp = 1 is trained once, through train.py's
-own loop (`loop.train`) at tp 1 x pp 1 x dp 2, saving at step 2 of 4; the live optimizer's fp32
-master weights and Adam moments as saved (DeepSpeed's own accessors, gathered over DP) are the
-reference. Then, on the step-2 folder:
+Each precision is trained once, through train.py's own loop (`loop.train`) at tp 1 x pp 1 x
+dp 2, saving at step 2 of 4; the live optimizer's fp32 master weights and Adam moments as saved
+(gathered over DP by the optimizer) are the reference. Then, on the step-2 folder:
 - the reader gives exactly those masters (not the rounded bf16/fp16 module weights);
 - `convert average` of the checkpoint with itself gives the masters back bit for bit;
 - `convert reshard --tp 2` writes the masters and moments, bit for bit;
@@ -36,39 +35,35 @@ from tests.training.production import as_sets, data_overrides
 pytestmark = pytest.mark.multiprocess  # the fixture starts processes
 
 ROOT = Path(__file__).resolve().parents[2]
-JSON = {("fp32", 0): "cpu_fp32.json", ("fp32", 1): "cpu_fp32.json", ("fp32", 2): "cpu_fp32.json",
-        ("bf16", 1): "zero1_bf16.json", ("bf16", 2): "zero2_bf16.json",
-        ("fp16", 1): "fp16.json", ("fp16", 2): "fp16.json"}
-# Where each checkpoint (saved at tp 1 x pp 1 x dp 2) resumes, as (tp, pp, zero stage): two
-# ranks at dp 1, so every resume changes dp and one of tp and pp (pp > 1 needs ZeRO-1).
-RESUME_AT = {("fp32", 0): (2, 1, 0), ("fp32", 1): (1, 2, 1), ("fp32", 2): (2, 1, 2),
-             ("bf16", 1): (2, 1, 1), ("bf16", 2): (1, 2, 1), ("fp16", 1): (1, 2, 1),
-             ("fp16", 2): (2, 1, 2)}
+# Each precision and the shipped DeepSpeed JSON it runs with (fp16's: its loss scale).
+JSON = {"fp32": None, "bf16": None, "fp16": "fp16.json"}
+# Where each checkpoint (saved at tp 1 x pp 1 x dp 2) resumes, as (tp, pp): two ranks at dp 1,
+# so every resume changes dp and one of tp and pp.
+RESUME_AT = {"fp32": (1, 2), "bf16": (2, 1), "fp16": (1, 2)}
 LOSS_TOLERANCE = {"fp32": 1e-5, "fp16": 2e-4, "bf16": 1e-3}  # test_production_path's
 STEPS, SAVED = 4, 2
 
 
 def _name(combo) -> str:
-    return f"{combo[0]}-zero{combo[1]}"
+    return combo
 
 
-def _sets(combo, data, tokenizer, out: Path, tp: int, pp: int, zero: int) -> list:
-    sets = {**data_overrides(data, tokenizer, out, STEPS), "train.precision": combo[0],
-            "parallel.zero_stage": zero, "parallel.tp": tp, "parallel.pp": pp,
-            "parallel.ds_config": ROOT / "ds_configs" / JSON[(combo[0], zero or 1)],
+def _sets(combo, data, tokenizer, out: Path, tp: int, pp: int) -> list:
+    sets = {**data_overrides(data, tokenizer, out, STEPS), "train.precision": combo,
+            "parallel.tp": tp, "parallel.pp": pp,
+            "parallel.ds_config": ROOT / "ds_configs" / JSON[combo] if JSON[combo] else "",
             "train.eval_interval": 0, "train.keep_last": 5}
     return as_sets(sets)
 
 
-def matrix_worker(rank, world_size, runs: list[tuple[list[str], bool, bool]]) -> list:
-    """`loop.train` (train.py's loop) for each (overrides, fp16 on CPU, capture), in turn.
+def matrix_worker(rank, world_size, runs: list[tuple[list[str], bool]]) -> list:
+    """`loop.train` (train.py's loop) for each (overrides, capture), in turn.
     Rank 0 returns per run its logged losses by step (or the run's `error:` line) and, when
     `capture`, the live optimizer's full fp32 master weights and exp_avg by global name as
     they were saved at step SAVED (tp = 1: whole tensors, vocabulary padded)."""
     from megatron_rembert.errors import UserError
     from megatron_rembert.run_config.load import load_config
     from megatron_rembert.training import checkpoint, loop
-    from tests.training.helpers import allow_cpu_fp16
     from tests.training.production import _masters_and_momentum
 
     real_save, captured = checkpoint.save_checkpoint, []
@@ -82,9 +77,7 @@ def matrix_worker(rank, world_size, runs: list[tuple[list[str], bool, bool]]) ->
 
     checkpoint.save_checkpoint = save
     out = []
-    for sets, fp16, capture in runs:
-        if fp16:
-            allow_cpu_fp16()
+    for sets, capture in runs:
         config = load_config(ROOT / "configs" / "tiny.yaml", sets)
         captured.clear()
         try:
@@ -108,21 +101,20 @@ def matrix(tiny_dataset, tmp_path_factory):  # noqa: F811 - the imported fixture
     data, tokenizer = tiny_dataset
     first, keys = [], list(JSON)
     for combo in keys:
-        tp, pp, zero = RESUME_AT[combo]
+        tp, pp = RESUME_AT[combo]
         base = root / _name(combo)
-        first.append((_sets(combo, data, tokenizer, base / "trained", 1, 1, combo[1])
-                      + [f"train.save_interval={SAVED}"], combo[0] == "fp16", True))
-        first.append((_sets(combo, data, tokenizer, base / "reference", tp, pp, zero),
-                      combo[0] == "fp16", False))
+        first.append((_sets(combo, data, tokenizer, base / "trained", 1, 1)
+                      + [f"train.save_interval={SAVED}"], True))
+        first.append((_sets(combo, data, tokenizer, base / "reference", tp, pp), False))
     results = run_distributed(matrix_worker, 2, first, timeout=1200)[0]
     resumes = []
     for combo in keys:
-        tp, pp, zero = RESUME_AT[combo]
+        tp, pp = RESUME_AT[combo]
         base = root / _name(combo)
         shutil.copytree(base / "trained" / "ckpt", base / "resumed" / "ckpt", symlinks=True)
         step = base / "resumed" / "ckpt" / f"step_{SAVED:08d}"
-        resumes.append((_sets(combo, data, tokenizer, base / "resumed", tp, pp, zero)
-                        + [f"train.resume_from={step}"], combo[0] == "fp16", False))
+        resumes.append((_sets(combo, data, tokenizer, base / "resumed", tp, pp)
+                        + [f"train.resume_from={step}"], False))
     resumed = run_distributed(matrix_worker, 2, resumes, timeout=1200)[0]
     out = {}
     for i, combo in enumerate(keys):
@@ -151,7 +143,7 @@ def test_reader_gives_the_fp32_masters(matrix, combo):
             assert torch.equal(got, _unpadded(run["masters"][spec.name], spec.shape)), spec.name
             rounded += not torch.equal(reader.full_weight(spec).float(), got)
     # The test can tell: in bf16 and fp16 the module weights are rounded masters.
-    assert (rounded > 0) == (combo[0] != "fp32")
+    assert (rounded > 0) == (combo != "fp32")
 
 
 @COMBOS
@@ -215,7 +207,7 @@ def test_convert_as_users_run_it_prints_no_deepspeed_noise(matrix, tmp_path):
     """`python -m megatron_rembert.convert to-hf` on a bf16 ZeRO-1 checkpoint, as a process:
     it works, and DeepSpeed's routine lines (the accelerator it chose, a cached op "built
     successfully") are not printed."""
-    run = matrix[("bf16", 1)]
+    run = matrix["bf16"]
     done = subprocess.run([sys.executable, "-m", "megatron_rembert.convert", "to-hf",
                            "--checkpoint", str(run["step"]), "--out", str(tmp_path / "hf")],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -233,4 +225,4 @@ def test_train_py_resumes_at_another_layout(matrix, combo):
     expected = [reference[s] for s in sorted(resumed)]
     got = [resumed[s] for s in sorted(resumed)]
     print(_name(combo), "resumed", got, "trained at that layout from the start", expected)
-    assert got == pytest.approx(expected, rel=LOSS_TOLERANCE[combo[0]])
+    assert got == pytest.approx(expected, rel=LOSS_TOLERANCE[combo])

@@ -61,16 +61,15 @@ def test_from_hf_to_hf_round_trip_and_logits(tmp_path):
 
 
 def _load_into_module(model, folder):
-    """Through the trainer's loader, with a plain module standing in for the engine."""
-    from megatron_rembert.checkpoint.step_folder import StepFolder
-    from megatron_rembert.training.full_tensors import load_portable
+    """Every weight of a portable checkpoint, as the trainer's loader reads it (each TP rank's
+    slice of the full tensor, here the one rank of tp 1)."""
+    from megatron_rembert.checkpoint.portable import PortableReader
+    from megatron_rembert.checkpoint.specs import ParamSpec
 
-    class Engine:
-        module = model
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-        lr_scheduler = None
-
-    load_portable(Engine, StepFolder.open(folder))
+    layers = model.config.num_hidden_layers
+    with PortableReader(folder) as reader, torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(reader.local_shard(name, ParamSpec.of(name, param, layers), 1, 0))
 
 
 @pytest.mark.multiprocess

@@ -23,23 +23,23 @@ def trained(tmp_path_factory):
     return save / "step_00000003", losses[3:]
 
 
-@pytest.mark.parametrize("tp, pp, world, zero", [(1, 1, 2, 2), (3, 1, 3, 1)])
-def test_reshard_continues_exactly(trained, tmp_path, tp, pp, world, zero):
+@pytest.mark.parametrize("tp, pp, world", [(1, 1, 2), (3, 1, 3)])
+def test_reshard_continues_exactly(trained, tmp_path, tp, pp, world):
     step_dir, expected = trained
     out = tmp_path / "resharded"
     assert main(["reshard", "--checkpoint", str(step_dir), "--out", str(out), "--tp", str(tp),
                  "--pp", str(pp)]) == 0
-    losses = run_distributed(train_worker, world, TINY, overrides(tp, pp, zero),
+    losses = run_distributed(train_worker, world, TINY, overrides(tp, pp),
                              str(out / "step_00000003"), 3, 3, None, timeout=300)[0]
     print("resharded", tp, pp, losses, "reference", expected)
     assert losses == pytest.approx(expected, rel=1e-5)
 
 
 def test_resume_at_another_layout_without_converting(trained):
-    """The tp=2 x pp=2 x dp=1 DeepSpeed checkpoint loaded directly at tp=1 x pp=1 x dp=2 (ZeRO-2,
-    other partitions): the trainer reads it as full tensors, optimizer state included."""
+    """The tp=2 x pp=2 x dp=1 checkpoint loaded directly at tp=1 x pp=1 x dp=2 (other
+    fragments): the trainer reads its fragments, optimizer state included."""
     step_dir, expected = trained
-    losses = run_distributed(train_worker, 2, TINY, overrides(1, 1, 2), str(step_dir), 3, 3,
+    losses = run_distributed(train_worker, 2, TINY, overrides(1, 1), str(step_dir), 3, 3,
                              None, timeout=300)[0]
     assert losses == pytest.approx(expected, rel=1e-5)
 
@@ -78,6 +78,6 @@ def test_reshard_lamb_state(tmp_path):
     out = tmp_path / "resharded"
     assert main(["reshard", "--checkpoint", str(save / "step_00000003"), "--out", str(out),
                  "--tp", "1", "--pp", "1"]) == 0
-    losses = run_distributed(train_worker, 2, TINY, overrides(1, 1, 2) + lamb,
+    losses = run_distributed(train_worker, 2, TINY, overrides(1, 1) + lamb,
                              str(out / "step_00000003"), 3, 3, None, timeout=300)[0]
     assert losses == pytest.approx(full[3:], rel=1e-5)

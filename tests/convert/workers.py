@@ -9,8 +9,8 @@ from tests.training.helpers import SEQ, micro_batches, split_micro
 GLOBAL_BATCH, MICRO = 8, 2
 
 
-def overrides(tp: int, pp: int, zero: int = 1, steps: int = 6) -> list[str]:
-    return [f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.zero_stage={zero}",
+def overrides(tp: int, pp: int, steps: int = 6) -> list[str]:
+    return [f"parallel.tp={tp}", f"parallel.pp={pp}",
             f"train.global_batch_size={GLOBAL_BATCH}", f"train.micro_batch_size={MICRO}",
             "train.precision=fp32", f"train.steps={steps}", "optim.warmup_steps=2",
             "optim.lr=3e-3", "optim.clip_grad=0.5", f"data.seq_length={SEQ}"]

@@ -101,17 +101,27 @@ def test_stop_flag_agrees_on_the_communication_device(meta_comm):
     assert meta_comm == [torch.device("meta")]
 
 
+class _Optimizer:
+    """Stands for the distributed optimizer in a save: no loss scaler, nothing in flight."""
+
+    loss_scaler = None
+
+    def wait_for_weights(self) -> None:
+        pass
+
+
 class _Engine:
     module = torch.nn.Linear(2, 2)  # checked finite before the save
-    optimizer = None  # DeepSpeed's own path (its optimizer's shard: `_deepspeed_shard`)
+    optimizer = _Optimizer()
     lr_scheduler = None
 
 
 def test_checkpoint_save_agrees_on_the_communication_device(meta_comm, tmp_path, monkeypatch):
     from megatron_rembert.checkpoint import optimizer_shards
 
-    monkeypatch.setattr(ckpt, "_deepspeed_shard", lambda engine, meta, copy: optimizer_shards
+    monkeypatch.setattr(optimizer_shards, "collect", lambda *args, **kwargs: optimizer_shards
                         .Collected(optimizer_shards.shard_file(0, 0, 0), [], {"format": "x"}))
+    monkeypatch.setattr(ckpt, "_specs", lambda engine, meta: {})
     ckpt.save_checkpoint(_Engine(), tmp_path, 3, 24, {}, keep_last=1)
     assert (tmp_path / "latest").read_text().strip() == "step_00000003"
     assert meta_comm and set(meta_comm) == {torch.device("meta")}

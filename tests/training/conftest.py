@@ -26,8 +26,8 @@ def tiny_dataset(tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="session")
 def layout_reference():
-    """The tiny model in one process, fp32, ZeRO-1: what every other layout must reproduce."""
+    """The tiny model in one process, fp32: what every other layout must reproduce."""
     from tests.distributed import run_distributed
     from tests.training.helpers import layout_overrides, train_worker
 
-    return run_distributed(train_worker, 1, layout_overrides(1, 1, 1))[0]
+    return run_distributed(train_worker, 1, layout_overrides(1, 1))[0]

@@ -54,10 +54,9 @@ STEPS = 5
 GLOBAL_BATCH, MICRO = 8, 2
 
 
-def layout_overrides(tp: int, pp: int, zero: int, recompute: bool = False,
-                     **extra) -> list[str]:
+def layout_overrides(tp: int, pp: int, recompute: bool = False, **extra) -> list[str]:
     """The tiny model trained for STEPS steps on the synthetic samples above."""
-    values = {"parallel.tp": tp, "parallel.pp": pp, "parallel.zero_stage": zero,
+    values = {"parallel.tp": tp, "parallel.pp": pp,
               "parallel.activation_checkpointing": str(recompute).lower(),
               "train.global_batch_size": GLOBAL_BATCH, "train.micro_batch_size": MICRO,
               "train.precision": "fp32", "train.steps": STEPS, "optim.warmup_steps": 2,
@@ -66,15 +65,7 @@ def layout_overrides(tp: int, pp: int, zero: int, recompute: bool = False,
     return [f"{k}={v}" for k, v in values.items()]
 
 
-def allow_cpu_fp16() -> None:
-    """Let DeepSpeed run fp16 on this CPU: it allows it only where oneDNN has fp16 kernels,
-    but torch computes fp16 on any CPU (slowly), which is all a numerics test needs."""
-    from deepspeed.accelerator import get_accelerator
-
-    get_accelerator().is_fp16_supported = lambda: True
-
-
-def train_worker(rank, world_size, overrides, fp16_on_cpu=False):
+def train_worker(rank, world_size, overrides):
     """Train with the Trainer on synthetic data. Per step: loss, grad norm, masked tokens,
     loss scale, skipped, the learning rate applied, and whether this rank's weights changed;
     then the validation (loss, accuracy, tokens) of the trained model, and how far training
@@ -88,8 +79,6 @@ def train_worker(rank, world_size, overrides, fp16_on_cpu=False):
     from megatron_rembert.training.plan import RunPlan
     from tests.training.production import _masters_and_momentum
 
-    if fp16_on_cpu:
-        allow_cpu_fp16()
     deepspeed.init_distributed(dist_backend="gloo")
     config = build_config({"model": {"preset": "tiny"}}, overrides)
     plan = RunPlan.build(config, world_size, rank)

@@ -1,7 +1,7 @@
 """The production path against an independent reference.
 
 `run_train` trains through `train.py`'s own loop (`training.loop.train`: the real data loader,
-the DeepSpeed engine with the shipped JSONs, checkpoints) on a dataset made by data_tools, and
+the DeepSpeed engine, checkpoints) on a dataset made by data_tools, and
 reports per step the logged loss and gradient norm, and per parameter (by global name, whole
 tensors) how far training moved its fp32 master weight and the norm of Adam's first moment.
 
@@ -33,8 +33,8 @@ class Run:
 
 
 def data_overrides(data: Path, tokenizer: Path, out: Path, steps: int) -> dict:
-    """Data, batch and bookkeeping settings of a short test run (not precision, ZeRO stage,
-    ds_config or layout: those stay the config's own)."""
+    """Data, batch and bookkeeping settings of a short test run (not precision, ds_config or
+    layout: those stay the config's own)."""
     return {"data.path": data, "data.tokenizer": tokenizer, "data.seq_length": SEQ,
             "data.num_workers": 0, "train.steps": steps, "train.global_batch_size": GLOBAL_BATCH,
             "train.micro_batch_size": MICRO, "train.log_interval": 1, "train.save_interval": 0,
@@ -50,39 +50,20 @@ def as_sets(values: dict) -> list[str]:
 # -- the production path, in spawned gloo ranks -----------------------------------------------
 def _masters_and_momentum(trainer, with_momentum: bool = True) -> tuple[dict, dict]:
     """Full fp32 master weight and (after a step) Adam's exp_avg of each of this rank's
-    parameters (all-gathered over DP by DeepSpeed's own accessors; still a TP shard)."""
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-
-    from megatron_rembert.training import deepspeed_private
-    from megatron_rembert.training.distributed_optimizer import DistributedOptimizer
+    parameters (all-gathered over DP by our optimizer: a collective; still a TP shard)."""
     from megatron_rembert.training.full_tensors import local_parameters
 
     masters, momentum = {}, {}
     opt = trainer.optimizer
-    if isinstance(opt, DistributedOptimizer):  # our optimizer: its own gather (a collective)
-        full = opt.full_tensors()
-        order = [p for group in opt.model_groups for p in group]
-        index = {id(p): i for i, p in enumerate(order)}
-        for name, param in local_parameters(trainer.engine.module):
-            i = index[id(param)]
-            masters[name] = full["weights"][i].float()
-            if with_momentum:
-                exp_avg = full["state"].get("exp_avg")
-                momentum[name] = (exp_avg[i] if exp_avg else torch.zeros_like(masters[name]))
-        return masters, momentum
-    base = getattr(opt, "optimizer", opt)
-    if with_momentum and hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
-        # ZeRO-2 re-creates its parameter mappings after the link to Adam's state was made.
-        deepspeed_private.relink_optimizer_state(opt)
+    full = opt.full_tensors()
+    order = [p for group in opt.model_groups for p in group]
+    index = {id(p): i for i, p in enumerate(order)}
     for name, param in local_parameters(trainer.engine.module):
-        master = safe_get_full_fp32_param(param)
-        masters[name] = (param if master is None else master).detach().float().clone()
-        if not with_momentum:
-            continue
-        m = safe_get_full_optimizer_state(param, "exp_avg")
-        if m is None:  # a plain torch optimizer: the parameter is its own master
-            m = base.state.get(param, {}).get("exp_avg", torch.zeros_like(param))
-        momentum[name] = m.detach().float().clone()
+        i = index[id(param)]
+        masters[name] = full["weights"][i].float()
+        if with_momentum:
+            exp_avg = full["state"].get("exp_avg")
+            momentum[name] = (exp_avg[i] if exp_avg else torch.zeros_like(masters[name]))
     return masters, momentum
 
 
@@ -104,11 +85,10 @@ def _tp_norms(tensors: dict, trainer) -> dict[str, float]:
     return out
 
 
-def run_train(rank, world_size, runs: list[tuple[str, list[str], bool]]) -> list[Run]:
-    """`loop.train` for each (config file, overrides, fp16 on CPU), in turn, in this group."""
+def run_train(rank, world_size, runs: list[tuple[str, list[str]]]) -> list[Run]:
+    """`loop.train` for each (config file, overrides), in turn, in this group."""
     from megatron_rembert.run_config.load import load_config
     from megatron_rembert.training import engine, loop
-    from tests.training.helpers import allow_cpu_fp16
 
     built = []
     real_init = engine.Trainer.__init__
@@ -120,9 +100,7 @@ def run_train(rank, world_size, runs: list[tuple[str, list[str], bool]]) -> list
 
     engine.Trainer.__init__ = init
     results = []
-    for path, sets, fp16_on_cpu in runs:
-        if fp16_on_cpu:
-            allow_cpu_fp16()
+    for path, sets in runs:
         config = load_config(path, sets)
         loop.train(config)
         trainer = built[-1]

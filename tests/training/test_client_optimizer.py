@@ -10,7 +10,8 @@ micro-batch's backward runs through `engine.backward` inside `engine.no_sync()` 
 boundary only), at dp 2 on gloo ranks. Asserted:
 - DeepSpeed keeps our optimizer as it is (`engine.optimizer is` ours);
 - DeepSpeed issues no collective of its own during the steps (counted at `deepspeed.comm`),
-  and the count is not blind: the same steps outside `no_sync` count DeepSpeed's all-reduce;
+  and the count is not blind: the same steps outside `no_sync` count DeepSpeed's all-reduce,
+  and our optimizer's step then fails (`ForeignGradient`: DeepSpeed filled every `.grad`);
 - the weights after the steps equal, bit for bit, those of the same optimizer driven without
   DeepSpeed (which tests/training/test_distributed_optimizer.py proves equal to one process),
   fp32 and bf16 weights;
@@ -88,7 +89,7 @@ def _worker(rank: int, dp: int, dtype: torch.dtype, engine_kind: str,
     import torch.distributed as dist
 
     from megatron_rembert.parallel import comm
-    from megatron_rembert.parallel.grad_buffer import GradBuffer
+    from megatron_rembert.parallel.grad_buffer import ForeignGradient, GradBuffer
     from megatron_rembert.training.distributed_optimizer import DistributedOptimizer
 
     model, config = _model(dtype)
@@ -119,7 +120,10 @@ def _worker(rank: int, dp: int, dtype: torch.dtype, engine_kind: str,
                     engine.backward(loss)
             else:
                 engine.backward(loss)
-            engine.step()
+            try:
+                engine.step()
+            except ForeignGradient as err:  # DeepSpeed's own reduction filled the .grads
+                return {"counts": _counts(calls), "foreign": str(err)}
         if engine is None:
             opt.step()
             if not opt.overflow:
@@ -150,11 +154,13 @@ def test_deepspeed_steps_our_optimizer_as_it_is(dtype):
 
 @pytest.mark.multiprocess
 def test_without_no_sync_deepspeed_all_reduces():
-    """The counter sees DeepSpeed's own reduction when it is not switched off."""
+    """The counter sees DeepSpeed's own reduction when it is not switched off, and our
+    optimizer's step refuses what it left (every parameter's .grad filled) at once."""
     results = run_distributed(_worker, DP, torch.float32, "plain", timeout=900)
     for r in results:
-        print(f"DeepSpeed's collectives without no_sync, {STEPS} steps: {r['counts']}")
+        print(f"DeepSpeed's collectives without no_sync: {r['counts']}")
         assert r["counts"].get("all_reduce", 0) + r["counts"].get("all_reduce_coalesced", 0) > 0
+        assert "hold a .grad when the step reduces the gradient buffers" in r["foreign"]
 
 
 @pytest.mark.multiprocess

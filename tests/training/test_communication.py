@@ -19,7 +19,6 @@ from megatron_rembert.parallel import state
 from megatron_rembert.parallel.mappings import ALL_REDUCE_BYTES, ALL_REDUCE_COUNTS
 from megatron_rembert.run_config.load import build_config, load_config
 from megatron_rembert.training.communication import (
-    dp_path,
     group_ranks,
     stage_time,
     step_collectives,
@@ -100,7 +99,6 @@ def _bucket_elements(config, plan) -> int:
 def test_dp_bytes_of_the_production_path():
     config, plan = _tiny("parallel.tp=2", "train.global_batch_size=16",
                          "train.precision=bf16")  # dp 4, ZeRO-1 bf16: our gradient buffers
-    assert dp_path(config) == "reduce_scatter"
     params, elements = _rank_parameters(config, 2), _bucket_elements(config, plan)
     assert 0 <= elements - params < 64 * 64  # each parameter aligned to 64 elements
     dp = {c.op: c for c in step_collectives(config, plan, 0) if c.group == "DP"}
@@ -219,7 +217,7 @@ def test_the_report_of_a_multi_node_run():
     links = LinkAssumptions(inter_node_gbps=200, mfu=0.5)
     report = dry_run_report(config, plan, links)
     assert "200 Gb/s across nodes" in report and "50% of the H100's 989 TFLOP/s" in report
-    assert "DP gradient path 'reduce_scatter'" in report
+    assert "DP gradient path: our buckets" in report
     times = [stage_time(config, plan, i, links) for i in range(2)]
     busiest = max(times, key=lambda t: t.step_s)
     rows = report.split(f"stage {busiest.stage}, the longest step:")[1].split("\ncompute")[0]
@@ -236,13 +234,12 @@ def test_the_report_of_a_multi_node_run():
     assert math.isclose(busiest.step_s, busiest.compute_s + sum(busiest.exposed_s))
 
 
-def test_deepspeeds_own_reduction_is_named_an_estimate():
+def test_fp16_takes_the_same_path():
     config, plan = _tiny("train.precision=fp16", "train.global_batch_size=8", world=4)
-    assert dp_path(config) == "deepspeed"  # fp16 keeps DeepSpeed's loss scaler and reduction
-    ops = {c.op for c in step_collectives(config, plan, 0) if c.group == "DP"}
-    assert ops == {"reduce-scatter", "all-gather"}
-    assert "DP gradient path 'deepspeed': DeepSpeed's own reduction (estimate)" in \
-        dry_run_report(config, plan)
+    dp = {c.op: c for c in step_collectives(config, plan, 0) if c.group == "DP"}
+    assert set(dp) == {"reduce-scatter", "all-gather"}
+    assert dp["all-gather"].buffer_bytes * 2 == dp["reduce-scatter"].buffer_bytes  # fp16 weights
+    assert "DP gradient path: our buckets" in dry_run_report(config, plan)
 
 
 def test_one_rank_has_nothing_to_communicate():

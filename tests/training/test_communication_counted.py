@@ -143,7 +143,7 @@ def test_dry_run_bytes_equal_the_counted_collectives(tp, pp, dp, recompute, laye
     from megatron_rembert.training.communication import group_ranks, step_collectives
     from megatron_rembert.training.plan import RunPlan
 
-    overrides = layout_overrides(tp, pp, 1, recompute, **{
+    overrides = layout_overrides(tp, pp, recompute, **{
         "model.num_hidden_layers": layers, "train.precision": precision,
         "parallel.grad_bucket_elements": bucket, "parallel.grad_reduce_dtype": wire})
     config = build_config({"model": {"preset": "tiny"}}, overrides)

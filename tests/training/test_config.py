@@ -19,8 +19,9 @@ from megatron_rembert.run_config.checks import check_config, check_ranges
 from megatron_rembert.run_config.help import config_help
 from megatron_rembert.run_config.load import build_config, load_config
 from megatron_rembert.run_config.schema import RANGES, SECTIONS, Config
+from megatron_rembert.training.ds_config import deepspeed_config, load_ds_config
 from megatron_rembert.training.inputs import check_inputs
-from megatron_rembert.training.optim import deepspeed_config, lr_lambda
+from megatron_rembert.training.optim import lr_lambda
 from megatron_rembert.training.plan import RunPlan
 from tests.training.conftest import SEQ
 
@@ -53,12 +54,11 @@ def test_bad_overrides_name_the_key(item, message):
     (["parallel.tp=2", "parallel.pp=2"], 6, "world size 6 is not divisible"),
     (["parallel.tp=4"], 4, "num_attention_heads=6 is not divisible by parallel.tp=4"),
     (["parallel.pp=3"], 3, "num_hidden_layers=2 is fewer than parallel.pp=3"),
-    (["parallel.pp=2", "parallel.zero_stage=2"], 2, "pipeline parallelism needs zero_stage=1"),
-    (["parallel.pp=2", "parallel.zero_stage=0"], 2, "pipeline parallelism needs zero_stage=1"),
+    (["parallel.zero_stage=2"], 2, "zero_stage=2: gradients are not sharded"),
+    (["parallel.zero_stage=0"], 1, "zero_stage=0: every run shards the optimizer state"),
+    (["parallel.zero_stage=3"], 1, "parallel.zero_stage=3"),
     (["train.global_batch_size=30"], 2, "global_batch_size=30 is not a multiple"),
     (["data.seq_length=4096"], 1, "exceeds model.max_position_embeddings"),
-    (["train.precision=bf16", "parallel.zero_stage=0"], 1, "bf16 needs parallel.zero_stage=1"),
-    (["train.precision=fp16", "parallel.zero_stage=0"], 1, "fp16 needs parallel.zero_stage=1"),
 ])
 def test_layout_errors(sets, world, message):
     config = load_config(ROOT / "configs/tiny.yaml", sets)
@@ -67,20 +67,24 @@ def test_layout_errors(sets, world, message):
 
 
 def test_deepspeed_dict_gets_every_number_from_our_config(tmp_path):
-    config = load_config(ROOT / "configs/rembert.yaml", ["parallel.ds_config="
-                                                         + str(ROOT / "ds_configs/zero2_bf16.json"),
-                                                         "parallel.zero_stage=2"])
-    ds = deepspeed_config(config, RunPlan.build(config, 32).layout)  # tp 2 x dp 16
+    """The engine's dict: batch sizes from our config and the layout, the user's services
+    kept, and everything that would touch the gradients off (our optimizer clips, reduces and
+    keeps the precision)."""
+    services = tmp_path / "services.json"
+    services.write_text(json.dumps({"wall_clock_breakdown": True}))
+    config = load_config(ROOT / "configs/rembert.yaml", [f"parallel.ds_config={services}"])
+    ds = deepspeed_config(config, RunPlan.build(config, 32).layout,  # tp 2 x dp 16
+                          load_ds_config(config))
     assert ds["train_batch_size"] == 2048 and ds["train_micro_batch_size_per_gpu"] == 16
-    assert ds["gradient_accumulation_steps"] == 8 and ds["gradient_clipping"] == 1.0
-    assert ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
-    assert ds["zero_optimization"]["stage"] == 2
-    assert ds["zero_optimization"]["reduce_scatter"]  # the JSON's own knob kept
+    assert ds["gradient_accumulation_steps"] == 8 and ds["gradient_clipping"] == 0.0
+    assert not ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
+    assert ds["zero_optimization"] == {"stage": 0}
+    assert ds["wall_clock_breakdown"] is True  # the JSON's own service kept
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"train_batch_size": 4}))
     config.parallel.ds_config = str(bad)
     with pytest.raises(ConfigError, match="sets train_batch_size, .* train.global_batch_size"):
-        deepspeed_config(config, RunPlan.build(config, 32).layout)
+        load_ds_config(config)
 
 
 def test_lr_schedule_warmup_then_linear_decay():
@@ -136,19 +140,6 @@ def test_sequence_length_mismatch(tiny_dataset):
         check_inputs(_tiny(tiny_dataset, "data.seq_length=64"), 1, torch.device("cpu"))
 
 
-@pytest.mark.parametrize("cpu_has_fp16", [False, True])
-def test_fp16_on_cpu_only_where_deepspeed_allows_it(tiny_dataset, monkeypatch, cpu_has_fp16):
-    from deepspeed.accelerator import get_accelerator
-
-    monkeypatch.setattr(get_accelerator(), "is_fp16_supported", lambda: cpu_has_fp16)
-    config = _tiny(tiny_dataset, "train.precision=fp16")
-    if cpu_has_fp16:
-        assert check_inputs(config, 1, torch.device("cpu"))[0].layout.dp == 1
-    else:
-        with pytest.raises(ConfigError, match="fp16 needs a GPU"):
-            check_inputs(config, 1, torch.device("cpu"))
-
-
 def test_latest_pointing_at_incomplete_checkpoint(tmp_path):
     (tmp_path / "step_00000005").mkdir()
     (tmp_path / "latest").write_text("step_00000005\n")
@@ -200,7 +191,7 @@ def test_every_setting_has_help_and_help_lists_every_key_with_it():
             keys += 1
     assert keys == len(text) - 2  # the heading and model.preset besides
     assert set(SECTIONS) == {"model", "parallel", "data", "optim", "train", "eval"}
-    assert "  parallel.zero_stage = 1  [0, 2]  (ZeRO stage 1 or 2;" in config_help()
+    assert "  parallel.zero_stage = 1  [0, 2]  (1: the optimizer state" in config_help()
     assert "  data.mask_prob = 0.15  (0, 1)  (" in config_help()
 
 

@@ -114,3 +114,71 @@ def test_an_instance_attribute_deepspeed_no_longer_assigns_is_named(monkeypatch)
     with pytest.raises(dsp.DeepSpeedVersionError, match="DeepSpeedEngine has no "
                                                         "_no_such_attribute"):
         dsp.check_private_names()
+
+
+# DeepSpeedEngine's documented API (deepspeed.readthedocs.io: Training API, Pipeline Parallelism)
+# and torch's nn.Module methods: what the package may touch on an engine without listing it.
+DOCUMENTED = {"module", "optimizer", "lr_scheduler", "train", "eval", "backward", "step",
+              "no_sync", "train_batch", "eval_batch", "parameters", "named_parameters"}
+
+
+def _engine_attributes_used(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """Per module: the attributes it reads or sets on a DeepSpeed engine (`engine.x`,
+    `self.engine.x`) or on the engine's module (`engine.module.x`)."""
+    def is_engine(node) -> bool:
+        return ((isinstance(node, ast.Name) and node.id == "engine")
+                or (isinstance(node, ast.Attribute) and node.attr == "engine"))
+
+    used = {}
+    for path in sorted(package.rglob("*.py")):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Attribute):
+                continue
+            if is_engine(node.value):
+                names.add(node.attr)
+            elif (isinstance(node.value, ast.Attribute) and node.value.attr == "module"
+                  and is_engine(node.value.value)):
+                names.add(node.attr)
+        if names - DOCUMENTED:
+            used[str(path.relative_to(package))] = names - DOCUMENTED
+    return used
+
+
+def test_every_engine_attribute_outside_the_documented_api_is_checked_at_start_up():
+    """The engine's and its module's attributes the package sets or reads beyond DeepSpeed's
+    documented API are ENGINE_ATTRIBUTES (checked on the built engine by `check_engine`), or
+    private names (the scan above)."""
+    listed = {n for names in dsp.ENGINE_ATTRIBUTES.values() for n in names}
+    private = {n for names in dsp.PRIVATE_NAMES.values() for n in names}
+    for module, names in _engine_attributes_used().items():
+        assert names <= listed | private, (module, names - listed - private)
+    assert listed <= {n for names in _engine_attributes_used().values() for n in names}
+
+
+class _Engine:
+    """Stands for a built engine in `check_engine`."""
+
+    def __init__(self, optimizer, **attributes):
+        self.optimizer, self.module = optimizer, object()
+        self.__dict__.update(attributes)
+
+
+def test_check_engine_refuses_a_wrapped_optimizer_and_a_missing_attribute(monkeypatch):
+    """`_Engine` stands for DeepSpeedEngine here (and no pipeline class matches it)."""
+    ours = object()
+    monkeypatch.setattr(dsp, "_class", lambda path: _Engine if "DeepSpeedEngine" in path
+                        else type("Other", (), {}))
+    with pytest.raises(dsp.DeepSpeedVersionError, match="wrapped the client optimizer into"):
+        dsp.check_engine(_Engine(object()), ours)
+    with pytest.raises(dsp.DeepSpeedVersionError, match="has no attribute global_samples"):
+        dsp.check_engine(_Engine(ours, global_steps=0, skipped_steps=0), ours)
+    dsp.check_engine(_Engine(ours, global_steps=0, skipped_steps=0, global_samples=0), ours)
+
+
+def test_an_engine_that_no_longer_reads_overflow_is_refused(monkeypatch):
+    monkeypatch.setattr(dsp, "_sources", lambda cls: ["self.optimizer.step()"])
+    monkeypatch.setattr(dsp, "_assigns", lambda cls, name: True)
+    with pytest.raises(dsp.DeepSpeedVersionError, match="no longer reads a client "
+                                                        "optimizer's overflow"):
+        dsp.check_private_names()

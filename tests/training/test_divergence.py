@@ -181,7 +181,7 @@ def _args(tmp: Path, tiny_dataset, **sets) -> list[str]:
     values = {"data.path": data, "data.tokenizer": tokenizer, "data.seq_length": SEQ,
               "data.num_workers": 0, "train.steps": 4, "train.global_batch_size": 4,
               "train.micro_batch_size": 2, "train.eval_interval": 0, "train.log_interval": 1,
-              "train.save_interval": 1, "train.precision": "fp32", "parallel.zero_stage": 0,
+              "train.save_interval": 1, "train.precision": "fp32",
               "train.save_dir": tmp / "run" / "ckpt", "train.log_dir": tmp / "run" / "logs",
               **sets}
     args = ["--config", "configs/tiny.yaml"]
@@ -206,10 +206,12 @@ def _saved(tmp: Path) -> tuple[str | None, list[str]]:
 
 # (id, settings, blow_up_after, what the error line names, the step folders kept)
 RUNS = [
-    # The attack: NaN from step 2; the run used to print "done at step 4" and exit 0.
+    # The attack: NaN from step 2; the run used to print "done at step 4" and exit 0. Each
+    # such step is skipped (a non-finite gradient norm), and a run ending on them stops.
     ("nan-from-step-2-short-run", {"optim.lr": 1e6, "optim.warmup_steps": 0,
                                    "train.save_interval": 0}, None,
-     "step 2: the loss is nan and the update was applied; the last good step is 1; stopping. "
+     "step 4: the run ends on 3 step(s) whose update was not applied (non-finite gradient "
+     "norm or loss; tolerated only between good steps); the last good step is 1; stopping. "
      "no checkpoint is kept", []),
     # The same learning rate, saving every step: step 1's loss is finite, its weights ~1e6.
     ("huge-lr-weights-refused-at-first-save", {"optim.lr": 1e6, "optim.warmup_steps": 0},

@@ -50,12 +50,6 @@ ROWS = [
         failure="optimizer-shard-disk-full", failing_rank=1,
         per_rank={1: ["{run}/ckpt/step_00000002: saving failed on 1 rank(s)",
                       "No space left on device"]}),
-    # The same file on DeepSpeed's own ZeRO path, half written on rank 0 only; the other rank
-    # knows that one failed, rank 0 also why.
-    Row("deepspeed-shard-disk-full", 2, ["{run}/ckpt/step_00000002: saving failed on 1 rank(s)"],
-        failure="optimizer-shard-disk-full", failing_rank=0, sets={"parallel.zero_stage": 2},
-        per_rank={0: ["{run}/ckpt/step_00000002: saving failed on 1 rank(s)",
-                      "No space left on device"]}),
     Row("metrics-disk-full-and-its-peer", 2, [], failure="metrics-disk-full",
         per_rank={0: ["{run}/logs/metrics.jsonl", "No space left on device", "GiB free"],
                   1: ["rank 1 was at step", COLLECTIVE]}),

@@ -1,8 +1,9 @@
-"""fp16 with dynamic loss scaling: overflow steps skipped. (That fp16 trains as fp32 does, in
-every layout, is tests/training/test_production_path.py's fp16.json cases.)
+"""fp16 with dynamic loss scaling on our gradient path (training/loss_scale.py, the distributed
+optimizer): overflow steps skipped, the scale's schedule through a resume. (That fp16 trains as
+fp32 does at gas 4, tp 2 x dp 2 and pp 2 is tests/training/test_production_path.py's fp16
+cases; that the scaler decides as DeepSpeed's does is tests/training/test_loss_scale.py.)
 
-This CPU has no oneDNN fp16, so DeepSpeed would refuse fp16; torch computes fp16 on any CPU,
-and the tests let DeepSpeed use it (`allow_cpu_fp16`).
+torch computes fp16 on this CPU (slowly): its own kernels, DeepSpeed's fp16 is not involved.
 """
 
 import json
@@ -11,7 +12,6 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.training.helpers import allow_cpu_fp16
 from tests.training.test_loop import losses, overrides, rows
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
@@ -19,7 +19,6 @@ pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
 def _train_fp16(rank, world_size, sets):
     """train() from configs/tiny.yaml; records, per step, whether the weights changed."""
-    allow_cpu_fp16()
     from megatron_rembert.run_config.load import load_config
     from megatron_rembert.training import engine, loop
 
@@ -27,8 +26,10 @@ def _train_fp16(rank, world_size, sets):
     changed = []
 
     def step(self, batches):
+        self.wait_for_weights()
         before = [p.detach().clone() for p in self.engine.module.parameters()]
         stats = real_step(self, batches)
+        self.wait_for_weights()
         changed.append(any(not torch.equal(b, p) for b, p in
                            zip(before, self.engine.module.parameters(), strict=True)))
         return stats
@@ -73,8 +74,7 @@ def test_overflow_skips_the_step_and_halves_the_scale(tmp_path, tiny_dataset):
 
 
 def _train_fp16_stopped(rank, world_size, sets, signal_at=None):
-    """test_loop's train() (stopped by a signal after step `signal_at`), fp16 allowed."""
-    allow_cpu_fp16()
+    """test_loop's train() (stopped by a signal after step `signal_at`)."""
     from tests.training.test_loop import _train
 
     return _train(rank, world_size, sets, signal_at)

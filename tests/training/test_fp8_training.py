@@ -1,5 +1,5 @@
 """train.fp8 through train.py's own loop (data loader, DeepSpeed with bf16 and
-ds_configs/zero1_bf16.json, checkpoints) on a dataset made by the data tools: it trains like
+bf16, checkpoints) on a dataset made by the data tools: it trains like
 bf16 at tp 1 and 2, and its checkpoints resume in bf16 runs and the reverse. Also the key's
 start-up checks."""
 
@@ -33,8 +33,7 @@ STEPS = 30
 def run_sets(tiny_dataset, out: Path, steps: int, fp8: bool, tp: int = 1, **extra) -> list[str]:
     sets = data_overrides(*tiny_dataset, out, steps)
     sets.update(FP8_MODEL)
-    sets.update({"parallel.ds_config": ROOT / "ds_configs" / "zero1_bf16.json",
-                 "parallel.zero_stage": 1, "train.precision": "bf16", "parallel.tp": tp,
+    sets.update({"train.precision": "bf16", "parallel.tp": tp,
                  "train.fp8": str(fp8).lower(), "optim.lr": 1e-2, **extra})
     return as_sets(sets)
 
@@ -90,11 +89,11 @@ def fp8_and_bf16_runs(tiny_dataset, tmp_path_factory):
     activation checkpointing, in one group of 2 ranks."""
     tmp = tmp_path_factory.mktemp("fp8")
     names = [(tp, fp8) for tp in (1, 2) for fp8 in (False, True)]
-    runs = [(str(TINY), run_sets(tiny_dataset, tmp / f"tp{tp}-{fp8}", STEPS, fp8, tp), False)
+    runs = [(str(TINY), run_sets(tiny_dataset, tmp / f"tp{tp}-{fp8}", STEPS, fp8, tp))
             for tp, fp8 in names]
     names.append("pp2-recompute")
     runs.append((str(TINY), run_sets(tiny_dataset, tmp / "pp2", STEPS, True, **{
-        "parallel.pp": 2, "parallel.activation_checkpointing": "true"}), False))
+        "parallel.pp": 2, "parallel.activation_checkpointing": "true"})))
     per_rank = run_distributed(run_train, 2, runs, timeout=1200)
     return {name: merge_ranks([rank[i] for rank in per_rank]) for i, name in enumerate(names)}
 
@@ -220,8 +219,7 @@ def _two_trainers_worker(rank, world_size) -> dict:
     def trainer(fp8: bool) -> Trainer:
         model = {"preset": "tiny", **{k.split(".", 1)[1]: v for k, v in FP8_MODEL.items()}}
         config = build_config({"model": model}, [
-            f"train.fp8={str(fp8).lower()}", "train.precision=bf16", "parallel.zero_stage=1",
-            f"parallel.ds_config={ROOT / 'ds_configs' / 'zero1_bf16.json'}",
+            f"train.fp8={str(fp8).lower()}", "train.precision=bf16",
             "train.global_batch_size=4", "train.micro_batch_size=2", "data.seq_length=16",
             "optim.warmup_steps=0", "optim.lr=1e-2"])
         plan = RunPlan.build(config, world_size, rank)

@@ -140,7 +140,7 @@ def test_train_py_loop_keeps_the_rule(tmp_path, tiny_dataset):
     from tests.training.test_loop import overrides
 
     sets = overrides(tmp_path, *tiny_dataset, **{
-        "train.precision": "bf16", "parallel.ds_config": "ds_configs/zero1_bf16.json",
+        "train.precision": "bf16",
         "train.steps": 5, "train.eval_interval": 2, "train.save_interval": 2,
         "train.async_save": "true", "parallel.grad_bucket_elements": 20000})
     for rank, events in enumerate(run_distributed(loop_worker, 2, sets, timeout=300)):

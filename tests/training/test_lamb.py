@@ -65,34 +65,32 @@ _REFERENCE = {}
 
 def _reference(precision):
     if precision not in _REFERENCE:
-        zero = 0 if precision == "fp32" else 1
         _REFERENCE[precision] = run_distributed(
-            train_worker, 1, layout_overrides(1, 1, zero, **LAMB, **{
+            train_worker, 1, layout_overrides(1, 1, **LAMB, **{
                 "train.precision": precision}))[0]
     return _REFERENCE[precision]
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("tp, pp, dp, zero, precision, rel, moved_rel", [
-    # Against one process with plain per-tensor LAMB (fp32, no ZeRO):
-    (2, 1, 2, 2, "fp32", 1e-4, 1e-4),  # ZeRO-2
-    (3, 1, 1, 0, "fp32", 1e-4, 1e-4),  # TP shards, no ZeRO
-    # DeepSpeed's bf16 optimizer (its own flat partitions) and ZeRO-2 in bf16, against one
-    # bf16 process: bf16 rounding in a different order, hence the wider tolerances (measured:
-    # 4e-4 at most; a trust ratio over ZeRO fragments instead of whole parameters: 5e-3).
-    (1, 2, 2, 1, "bf16", 2e-4, 1.5e-3),
-    (1, 1, 2, 2, "bf16", 2e-4, 1.5e-3),
+@pytest.mark.parametrize("tp, pp, dp, precision, rel, moved_rel", [
+    # Against one process with plain per-tensor LAMB (fp32):
+    (2, 1, 2, "fp32", 1e-4, 1e-4),  # TP shards and DP fragments
+    (3, 1, 1, "fp32", 1e-4, 1e-4),  # TP shards
+    # bf16 against one bf16 process: bf16 rounding in a different order, hence the wider
+    # tolerances (measured: 4e-4 at most; a trust ratio over fragments instead of whole
+    # parameters: 5e-3).
+    (1, 2, 2, "bf16", 2e-4, 1.5e-3),
 ])
-def test_lamb_layout_matches_single_process(tp, pp, dp, zero, precision, rel, moved_rel):
+def test_lamb_layout_matches_single_process(tp, pp, dp, precision, rel, moved_rel):
     expected, expected_eval, expected_moved = _reference(precision)
     results = run_distributed(train_worker, tp * pp * dp, layout_overrides(
-        tp, pp, zero, **LAMB, **{"train.precision": precision}), timeout=400)
+        tp, pp, **LAMB, **{"train.precision": precision}), timeout=400)
     rows, evaluation, _ = results[0]
     assert evaluation[0] == pytest.approx(expected_eval[0], rel=rel)
     for row, ref in zip(rows, expected, strict=True):
         assert row[2] == ref[2]  # masked tokens
         assert row[0] == pytest.approx(ref[0], rel=rel)
-        if precision == "fp32":  # the reference's norm is ours (ZeRO 0), the others DeepSpeed's
+        if precision == "fp32":
             assert row[1] == pytest.approx(ref[1], rel=1e-4)
     # The losses barely feel a trust ratio taken over a shard or a ZeRO fragment instead of
     # the whole parameter; how far each parameter moved does.

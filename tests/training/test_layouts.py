@@ -10,16 +10,15 @@ pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
 # Without recomputation, tp2 x pp2 x dp2 and the shipped JSONs run through train.py's loop in
 # test_production_path.py; these are the layouts it does not cover.
-@pytest.mark.parametrize("tp, pp, dp, zero, recompute", [
-    (1, 2, 1, 1, True),  # DeepSpeed's pipeline activation checkpointing
-    (2, 1, 2, 2, True),  # ours (torch.utils.checkpoint per layer), ZeRO-2
-    (3, 2, 1, 1, False),  # an odd TP size: 2 heads per rank, vocabulary padded to 3 x 384
-    (1, 1, 1, 0, False),  # no ZeRO on one rank: no wrapper, the engine's all-reduce skipped
+@pytest.mark.parametrize("tp, pp, dp, recompute", [
+    (1, 2, 1, True),  # DeepSpeed's pipeline activation checkpointing
+    (2, 1, 2, True),  # ours (torch.utils.checkpoint per layer)
+    (3, 2, 1, False),  # an odd TP size: 2 heads per rank, vocabulary padded to 3 x 384
 ])
-def test_layout_matches_single_process(tp, pp, dp, zero, recompute, layout_reference):
+def test_layout_matches_single_process(tp, pp, dp, recompute, layout_reference):
     expected, expected_eval, expected_moved = layout_reference
     results = run_distributed(train_worker, tp * pp * dp,
-                              layout_overrides(tp, pp, zero, recompute), timeout=400)
+                              layout_overrides(tp, pp, recompute), timeout=400)
     losses, evaluation, _ = results[0]
     assert evaluation[0] == pytest.approx(expected_eval[0], rel=1e-4)
     assert evaluation[1:] == expected_eval[1:]  # accuracy and masked-token count

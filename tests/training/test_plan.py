@@ -85,7 +85,7 @@ def test_a_pipeline_run_resolves_its_plan_once_per_rank(tmp_path, tiny_dataset, 
     sets = overrides(tmp_path, *tiny_dataset, **{
         "train.steps": 2, "train.eval_interval": 1, "train.save_interval": 2,
         "optim.decay_start_step": 0,
-        "parallel.pp": 2, "parallel.zero_stage": 1, "train.precision": "fp32"})
+        "parallel.pp": 2, "train.precision": "fp32"})
     results = run_distributed(_count_derivations, 2, sets, entry,
                               init_process_group=entry == "loop")
     for counts, step, boundaries, predictions in results:

@@ -1,6 +1,6 @@
-"""What users run, proven: every shipped DeepSpeed JSON with the precision it is meant for, with
-gradient accumulation, tensor, data and pipeline parallelism, and every shipped config file,
-trained through `train.py`'s own loop and data loader, against plain torch in fp32 (see
+"""What users run, proven: every precision (fp16 with the shipped DeepSpeed JSON of its loss
+scale), with gradient accumulation, tensor, data and pipeline parallelism, and every shipped
+config file, trained through `train.py`'s own loop and data loader, against plain torch in fp32 (see
 tests/training/production.py). Per step the loss and the gradient norm, per parameter how far
 it moved and its Adam first moment: a frozen tensor (moved 0), gradients summed once too often
 (the norm) or a tensor counted twice (its first moment) fail.
@@ -20,9 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rembert.config import ConfigError
 from megatron_rembert.run_config.load import load_config
-from megatron_rembert.training.plan import RunPlan
 from tests.distributed import run_distributed
 from tests.training.production import (
     VOCAB,
@@ -34,23 +32,20 @@ from tests.training.production import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-# Each shipped DeepSpeed JSON: the precision and ZeRO stage it is meant for.
-JSONS = {"cpu_fp32.json": ("fp32", 1), "fp16.json": ("fp16", 1),
-         "zero1_bf16.json": ("bf16", 1), "zero2_bf16.json": ("bf16", 2)}
+# Each precision and the shipped DeepSpeed JSON it runs with (fp16's: its loss scale).
+PRECISIONS = {"fp32": None, "fp16": "fp16.json", "bf16": None}
 # (tp, pp, dp); the global batch is 8 sequences of micro-batches of 2: gas = 4 / dp.
 LAYOUTS = {"gas4": (1, 1, 1), "tp2-dp2": (2, 1, 2), "pp2": (1, 2, 1), "tp2-pp2-dp2": (2, 2, 2)}
-CASES = [(js, layout) for js in JSONS for layout in LAYOUTS
-         if not (LAYOUTS[layout][1] > 1 and JSONS[js][1] == 2)  # the config refuses pp + ZeRO-2
-         and (layout != "tp2-pp2-dp2" or js == "zero1_bf16.json")]  # 8 ranks: once
+CASES = [(precision, layout) for precision in PRECISIONS for layout in LAYOUTS
+         if layout != "tp2-pp2-dp2" or precision == "bf16"]  # 8 ranks: once
 # Also run with model.compile=true (each Transformer layer through torch.compile): one process
 # with accumulation, the pipeline, and tensor parallelism (the all-reduces inside the graph) in
 # the training precision and in fp32 (the loss then within 1e-5 of the eager run's).
-COMPILED = [("zero1_bf16.json", "gas4"), ("zero1_bf16.json", "pp2"),
-            ("zero1_bf16.json", "tp2-dp2"), ("cpu_fp32.json", "tp2-dp2")]
+COMPILED = [("bf16", "gas4"), ("bf16", "pp2"), ("bf16", "tp2-dp2"), ("fp32", "tp2-dp2")]
 # parallel.grad_reduce_dtype=bf16 (each rank's gradient rounded to bf16 once, summed in fp32):
 # against the fp32 reference at the bf16 tolerance, and against the same run with fp32 on the
 # wire. bf16 training, and fp32 training, where the rounding is the only bf16 in the step.
-BF16_WIRE = [("zero1_bf16.json", "tp2-dp2"), ("cpu_fp32.json", "tp2-dp2")]
+BF16_WIRE = [("bf16", "tp2-dp2"), ("fp32", "tp2-dp2")]
 STEPS, CONFIG_STEPS = 3, 2
 # Relative tolerances: loss, gradient norm, distance moved and first moment per parameter.
 TOLERANCE = {"fp32": (1e-5, 1e-4, 1e-4), "fp16": (2e-4, 1e-3, 2e-2), "bf16": (1e-3, 1e-2, 5e-2)}
@@ -65,7 +60,7 @@ def _config_files() -> list[Path]:
 
 def _shrunk(path: Path) -> dict:
     """The config's model at test size (its own couplings and E_in : H : E_out proportions)
-    for the tiny dataset; its precision, ZeRO stage, ds_config, tp and pp are left alone.
+    for the tiny dataset; its precision, ds_config, tp and pp are left alone.
     Embeddings stay >= 16 wide: behind an 8-wide LayerNorm the head's dense bias gets almost
     no gradient (the norm removes the mean), and in bf16 its Adam steps followed noise."""
     config = load_config(path)
@@ -97,8 +92,7 @@ class Runs:
         if name not in self.done:
             world = self.planned[name].world
             names = [n for n, p in self.planned.items() if p.world == world]
-            runs = [(str(self.planned[n].config), self.planned[n].sets,
-                     self.planned[n].precision == "fp16") for n in names]
+            runs = [(str(self.planned[n].config), self.planned[n].sets) for n in names]
             per_rank = run_distributed(run_train, world, runs, timeout=900)
             for i, n in enumerate(names):
                 self.done[n] = merge_ranks([rank[i] for rank in per_rank])
@@ -109,25 +103,25 @@ class Runs:
 def json_runs(tiny_dataset, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("production")
     planned = {}
-    for js, layout in CASES:
-        (precision, zero), (tp, pp, dp) = JSONS[js], LAYOUTS[layout]
-        sets = data_overrides(*tiny_dataset, tmp / js / layout, STEPS)
-        sets.update({"parallel.ds_config": ROOT / "ds_configs" / js, "parallel.zero_stage": zero,
+    for precision, layout in CASES:
+        js, (tp, pp, dp) = PRECISIONS[precision], LAYOUTS[layout]
+        sets = data_overrides(*tiny_dataset, tmp / precision / layout, STEPS)
+        sets.update({"parallel.ds_config": ROOT / "ds_configs" / js if js else "",
                      "train.precision": precision, "parallel.tp": tp, "parallel.pp": pp})
-        planned[f"{js}/{layout}"] = Planned(ROOT / "configs" / "tiny.yaml", as_sets(sets),
-                                            tp * pp * dp, precision)
-        if (js, layout) in BF16_WIRE:
-            wire = {**sets, "train.save_dir": tmp / js / layout / "wire" / "checkpoints",
-                    "train.log_dir": tmp / js / layout / "wire" / "logs",
+        name = f"{precision}/{layout}"
+        planned[name] = Planned(ROOT / "configs" / "tiny.yaml", as_sets(sets), tp * pp * dp,
+                                precision)
+        if (precision, layout) in BF16_WIRE:
+            wire = {**sets, "train.save_dir": tmp / name / "wire" / "checkpoints",
+                    "train.log_dir": tmp / name / "wire" / "logs",
                     "parallel.grad_reduce_dtype": "bf16"}
-            planned[f"{js}/{layout}/wire"] = Planned(ROOT / "configs" / "tiny.yaml",
-                                                     as_sets(wire), tp * pp * dp, precision)
-        if (js, layout) in COMPILED:  # model.compile: torch.compile'd layers, same checks
-            sets = {**sets, "train.save_dir": tmp / js / layout / "compiled" / "checkpoints",
-                    "train.log_dir": tmp / js / layout / "compiled" / "logs",
-                    "model.compile": True}
-            planned[f"{js}/{layout}/compiled"] = Planned(ROOT / "configs" / "tiny.yaml",
-                                                         as_sets(sets), tp * pp * dp, precision)
+            planned[f"{name}/wire"] = Planned(ROOT / "configs" / "tiny.yaml", as_sets(wire),
+                                              tp * pp * dp, precision)
+        if (precision, layout) in COMPILED:  # model.compile: torch.compile'd layers
+            sets = {**sets, "train.save_dir": tmp / name / "compiled" / "checkpoints",
+                    "train.log_dir": tmp / name / "compiled" / "logs", "model.compile": True}
+            planned[f"{name}/compiled"] = Planned(ROOT / "configs" / "tiny.yaml",
+                                                  as_sets(sets), tp * pp * dp, precision)
     reference = reference_run(str(ROOT / "configs" / "tiny.yaml"), as_sets(
         data_overrides(*tiny_dataset, tmp / "reference", STEPS)))
     return Runs(planned), reference
@@ -164,32 +158,37 @@ def check_against_reference(run, ref, precision: str) -> None:
 
 
 def test_every_shipped_json_is_covered():
-    assert set(JSONS) == {p.name for p in (ROOT / "ds_configs").glob("*.json")}
+    assert {js for js in PRECISIONS.values() if js} == \
+        {p.name for p in (ROOT / "ds_configs").glob("*.json")}
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("js, layout", CASES, ids=[f"{j}-{la}" for j, la in CASES])
-def test_shipped_json_trains_like_plain_torch(js, layout, json_runs):
+@pytest.mark.parametrize("precision, layout", CASES, ids=[f"{p}-{la}" for p, la in CASES])
+def test_every_precision_trains_like_plain_torch(precision, layout, json_runs):
     runs, reference = json_runs
-    check_against_reference(runs.get(f"{js}/{layout}"), reference, JSONS[js][0])
+    check_against_reference(runs.get(f"{precision}/{layout}"), reference, precision)
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("js, layout", COMPILED, ids=[f"{j}-{la}" for j, la in COMPILED])
-def test_compiled_layers_train_like_plain_torch(js, layout, json_runs):
+@pytest.mark.parametrize("precision, layout", COMPILED,
+                         ids=[f"{p}-{la}" for p, la in COMPILED])
+def test_compiled_layers_train_like_plain_torch(precision, layout, json_runs):
     """model.compile through train.py's loop: against the eager fp32 reference as every case,
     and against the same run uncompiled, loss by loss."""
     runs, reference = json_runs
-    compiled, eager = runs.get(f"{js}/{layout}/compiled"), runs.get(f"{js}/{layout}")
-    check_against_reference(compiled, reference, JSONS[js][0])
-    assert compiled.losses == pytest.approx(eager.losses, rel=TOLERANCE[JSONS[js][0]][0])
+    compiled, eager = (runs.get(f"{precision}/{layout}/compiled"),
+                       runs.get(f"{precision}/{layout}"))
+    check_against_reference(compiled, reference, precision)
+    assert compiled.losses == pytest.approx(eager.losses, rel=TOLERANCE[precision][0])
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("js, layout", BF16_WIRE, ids=[f"{j}-{la}" for j, la in BF16_WIRE])
-def test_bf16_on_the_wire_trains_within_bf16_tolerance(js, layout, json_runs):
+@pytest.mark.parametrize("precision, layout", BF16_WIRE,
+                         ids=[f"{p}-{la}" for p, la in BF16_WIRE])
+def test_bf16_on_the_wire_trains_within_bf16_tolerance(precision, layout, json_runs):
     runs, reference = json_runs
-    wire, fp32_wire = runs.get(f"{js}/{layout}/wire"), runs.get(f"{js}/{layout}")
+    wire, fp32_wire = (runs.get(f"{precision}/{layout}/wire"),
+                       runs.get(f"{precision}/{layout}"))
     check_against_reference(wire, reference, "bf16")
     assert wire.losses == pytest.approx(fp32_wire.losses, rel=TOLERANCE["bf16"][0])
     assert wire.grad_norms != fp32_wire.grad_norms  # the control: the rounding happened
@@ -200,21 +199,11 @@ def test_validation_does_not_depend_on_the_layout(json_runs):
     """tp2 x pp2 x dp2 evaluates the sequences and masks one process evaluates: per language
     the same masked tokens, and the same loss within bf16's tolerance."""
     runs, _ = json_runs
-    one, eight = (runs.get(f"zero1_bf16.json/{layout}").valid for layout in ("gas4",
-                                                                             "tp2-pp2-dp2"))
+    one, eight = (runs.get(f"bf16/{layout}").valid for layout in ("gas4", "tp2-pp2-dp2"))
     assert len(one) == 8 and one.keys() == eight.keys()
     for lang, numbers in one.items():
         assert eight[lang]["masked_tokens"] == numbers["masked_tokens"], lang
         assert eight[lang]["loss"] == pytest.approx(numbers["loss"], rel=TOLERANCE["bf16"][0])
-
-
-def test_pipeline_with_zero2_is_refused():
-    """The one combination left out above: DeepSpeed's pipeline engine has no ZeRO-2."""
-    config = load_config(ROOT / "configs" / "tiny.yaml", [
-        "parallel.pp=2", "parallel.zero_stage=2", "parallel.ds_config=ds_configs/zero2_bf16.json",
-        "train.precision=bf16"])
-    with pytest.raises(ConfigError, match="pipeline parallelism needs zero_stage=1"):
-        RunPlan.build(config, 2)
 
 
 @pytest.mark.multiprocess
@@ -225,14 +214,14 @@ def test_shipped_config_trains_like_plain_torch(name, config_runs):
 
 
 def test_config_runs_keep_their_settings():
-    """The shrunk configs still run what the files say: tp, pp, precision, ZeRO stage and
-    DeepSpeed JSON, with gradient accumulation."""
+    """The shrunk configs still run what the files say: tp, pp, precision and DeepSpeed JSON,
+    with gradient accumulation."""
     kinds = defaultdict(set)
     for path in _config_files():
         config = load_config(path, as_sets(_shrunk(path)))
         shipped = load_config(path)
         for section in ("parallel", "train"):
-            for key in ("tp", "pp", "zero_stage", "ds_config") if section == "parallel" \
+            for key in ("tp", "pp", "ds_config") if section == "parallel" \
                     else ("precision",):
                 assert getattr(getattr(config, section), key) == \
                     getattr(getattr(shipped, section), key)

@@ -59,7 +59,7 @@ def _run(tmp: Path, tiny_dataset, plan: dict, **sets) -> subprocess.CompletedPro
     values = {"data.path": data, "data.tokenizer": tokenizer, "data.seq_length": SEQ,
               "data.num_workers": 1, "train.steps": 4, "train.global_batch_size": 4,
               "train.micro_batch_size": 2, "train.eval_interval": 0, "train.save_interval": 0,
-              "train.precision": "fp32", "parallel.zero_stage": 0,
+              "train.precision": "fp32",
               "train.save_dir": tmp / "ckpt", "train.log_dir": tmp / "logs", **sets}
     args = ["--config", "configs/tiny.yaml"]
     for key, value in values.items():

@@ -88,9 +88,8 @@ def _saved(tmp: Path) -> tuple[str | None, list[int]]:
             sorted(int(p.name.split("_")[1]) for p in (tmp / "ckpt").glob("step_*")))
 
 
-BF16_ZERO1 = {"train.precision": "bf16", "parallel.zero_stage": 1}
-FP32_ZERO1 = {"train.precision": "fp32", "parallel.zero_stage": 1}
-FP32_ZERO0 = {"train.precision": "fp32", "parallel.zero_stage": 0}
+BF16_ZERO1 = {"train.precision": "bf16"}
+FP32_ZERO1 = {"train.precision": "fp32"}
 
 # (id, world size, settings, bad steps, SIGTERM after step, exit code, the line that must be
 # printed (on every rank: the error line; on rank 0: the stop line), the step folders kept)
@@ -106,16 +105,12 @@ RUNS = [
      {**BF16_ZERO1, "parallel.pp": 2, "train.steps": 8}, [3, 4, 5, 6, 7, 8], None, 2,
      "error: step 5: 3 steps in a row whose update was not applied (non-finite gradient norm "
      "or loss; train.max_nonfinite_steps=3); the last good step is 2; stopping.", [1, 2]),
-    # fp32 at pp 2 (ZeRO-1): one skipped step tolerated, then the run ends on two.
+    # fp32 at pp 2: one skipped step tolerated, then the run ends on two.
     ("fp32-zero1-pp2-ends-on-skipped-steps", 2,
      {**FP32_ZERO1, "parallel.pp": 2, "train.steps": 5}, [2, 4, 5], None, 2,
      "error: step 5: the run ends on 2 step(s) whose update was not applied "
      "(non-finite gradient norm or loss; tolerated only between good steps); the last good "
      "step is 3; stopping.", [1, 3]),
-    # No overflow check without ZeRO: the update is applied, the run stops at once.
-    ("fp32-zero0-pp1-applied", 1, {**FP32_ZERO0, "train.steps": 4}, [3], None, 2,
-     "error: step 3: the gradient norm is not finite and the update was applied; the last "
-     "good step is 2; stopping.", [1, 2]),
     # A stop signal after a skipped step: that step is not saved, and said so; exit 0 for the
     # requeue, which resumes from the last good step.
     ("fp32-zero1-pp1-signal-after-a-skipped-step", 1, {**FP32_ZERO1, "train.steps": 6}, [3],
